@@ -1,0 +1,326 @@
+"""The public, Horovod-shaped API of the ddl core (numpy arrays and torch tensors).
+
+Each collective has one implementation (``_plan_*``, which returns the work as a closure);
+the blocking, in-place and ``_async`` spellings below are thin wrappers around it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import config, options, tensors
+from .engines.local import LocalEngine
+from .errors import DDLConfigError, DDLError
+from .ops import Average, ReduceOp, check_op, parse_op
+from .runtime import Handle, Runtime
+from .topology import World, world_from_env
+
+_lock = threading.Lock()
+_world: World | None = None
+_engine: Any = None
+_runtime: Runtime | None = None
+_options: options.Options | None = None
+
+
+# ------------------------------------------------------------------------ lifecycle
+def init() -> None:
+    """Join the job described by the launch environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, ...; see docs/api.md). Without one, this process is a 1-rank world.
+    Calling it again is a no-op."""
+    global _world, _engine, _runtime, _options
+    with _lock:
+        if _world is not None:
+            return
+        world = world_from_env()
+        opts = options.parse(config.get("DDL_OPTIONS"))
+        options.check_grid(opts, world.size)
+        if world.size == 1:
+            engine = LocalEngine()
+        elif world.local_size != world.size:
+            raise DDLError(
+                f"rank {world.rank}: this ddl build runs collectives among the ranks of one "
+                f"host, but the job spans {world.num_hosts} hosts (WORLD_SIZE={world.size}, "
+                f"LOCAL_WORLD_SIZE={world.local_size}); cross-host engines are not available yet"
+            )
+        else:
+            from .engines.shm import ShmEngine
+
+            engine = ShmEngine(
+                job_id=world.job_id,
+                host_index=world.host_index,
+                local_rank=world.local_rank,
+                local_size=world.local_size,
+                global_rank=world.rank,
+                timeout=config.get("DDL_TIMEOUT"),
+                init_timeout=config.get("DDL_INIT_TIMEOUT"),
+                slot_bytes=config.get("DDL_SHM_SLOT_BYTES"),
+                max_bytes=config.get("DDL_SHM_MAX_BYTES"),
+                small_bytes=config.get("DDL_SHM_SMALL_BYTES"),
+                wait_policy=config.get("DDL_SHM_WAIT"),
+                heap_bytes=config.get("DDL_SHM_HEAP_BYTES"),
+                fences=config.get("DDL_SHM_FENCES"),
+            )
+        _world, _engine, _runtime, _options = world, engine, Runtime(), opts
+
+
+def shutdown() -> None:
+    """Finish queued work and release shared memory. Safe to call more than once."""
+    global _world, _engine, _runtime
+    with _lock:
+        if _world is None:
+            return
+        try:
+            if _runtime is not None:
+                _runtime.close()
+        finally:
+            _engine.close()
+            _world, _engine, _runtime = None, None, None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _w() -> World:
+    if _world is None:
+        raise DDLError("ddl is not initialized: call ddl.init() first")
+    return _world
+
+
+def rank() -> int:
+    return _w().rank
+
+
+def size() -> int:
+    return _w().size
+
+
+def local_rank() -> int:
+    return _w().local_rank
+
+
+def local_size() -> int:
+    return _w().local_size
+
+
+def cross_rank() -> int:
+    return _w().cross_rank
+
+
+def cross_size() -> int:
+    return _w().cross_size
+
+
+def get_options() -> options.Options:
+    _w()
+    return _options
+
+
+def engine_name() -> str:
+    _w()
+    return _engine.name
+
+
+def malloc(shape, dtype=np.float32) -> np.ndarray:
+    """A numpy array in this host's shared memory (IBM pyddl.malloc). Collectives on such
+    arrays skip the staging copies; wrap with ``torch.from_numpy`` for a torch tensor."""
+    _w()
+    if _engine.heap is None:
+        return np.empty(shape, dtype=dtype)
+    return _engine.heap.malloc(shape, dtype)
+
+
+# ------------------------------------------------------------------- collectives
+def _dispatch(job: Callable[[], Any], name: str, async_: bool):
+    if async_:
+        return _runtime.submit(job, name)
+    return _runtime.run(job, name)
+
+
+def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, tensors.Flat]:
+    if inplace:
+        return f.original, f
+    if out is None:
+        return tensors.empty_like(f)
+    g = tensors.flatten(out, name="out")
+    if g.dtype != f.dtype or g.array.size != f.array.size:
+        raise DDLConfigError(
+            f"{what}: out has {g.dtype.name}[{g.array.size}] but the input is "
+            f"{f.dtype.name}[{f.array.size}]"
+        )
+    return out, g
+
+
+def _plan_allreduce(tensor, op, out, inplace: bool) -> Callable[[], Any]:
+    _w()
+    op = parse_op(op)
+    f = tensors.flatten(tensor)
+    check_op(op, f.dtype)
+    result, g = _output(f, out, inplace, "allreduce")
+    src = f.array
+    if not inplace and not tensors.same_memory(src, g.array) and tensors.overlaps(src, g.array):
+        src = src.copy()
+    engine = _engine
+
+    def job():
+        engine.allreduce(src, g.array, f.dtype, op, f.shape)
+        g.write_back()
+        return result
+
+    return job
+
+
+def allreduce(tensor, op: ReduceOp | str = Average, *, out=None, name: str | None = None):
+    """Reduce ``tensor`` over all ranks and return the result (a new tensor, or ``out``)."""
+    return _dispatch(_plan_allreduce(tensor, op, out, False), name or "allreduce", False)
+
+
+def allreduce_(tensor, op: ReduceOp | str = Average, *, name: str | None = None):
+    """In-place allreduce; returns ``tensor``."""
+    return _dispatch(_plan_allreduce(tensor, op, None, True), name or "allreduce_", False)
+
+
+def allreduce_async(tensor, op: ReduceOp | str = Average, *, out=None,
+                    name: str | None = None) -> Handle:
+    return _dispatch(_plan_allreduce(tensor, op, out, False), name or "allreduce_async", True)
+
+
+def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None = None) -> Handle:
+    return _dispatch(_plan_allreduce(tensor, op, None, True), name or "allreduce_async_", True)
+
+
+def _rows(f: tensors.Flat, what: str) -> tuple[int, tuple[int, ...], int]:
+    if not f.shape:
+        raise DDLConfigError(f"{what} needs a tensor with at least one dimension, got a 0-d one")
+    row_shape = tuple(f.shape[1:])
+    row = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+    return f.shape[0], row_shape, row
+
+
+def _plan_allgather(tensor) -> Callable[[], Any]:
+    _w()
+    f = tensors.flatten(tensor)
+    _, row_shape, row = _rows(f, "allgather")
+    engine = _engine
+    holder: list[Any] = []
+
+    def alloc(counts: list[int]) -> np.ndarray:
+        total = sum(counts)
+        if row and any(c % row for c in counts):  # pragma: no cover - shapes are checked
+            raise DDLError("allgather: element counts are not whole rows")
+        obj, g = tensors.empty_like(f, (total // row if row else 0,) + row_shape)
+        holder.append((obj, g))
+        return g.array
+
+    def job():
+        engine.allgather(f.array, f.dtype, row_shape, alloc)
+        obj, g = holder[0]
+        g.write_back()
+        return obj
+
+    return job
+
+
+def allgather(tensor, *, name: str | None = None):
+    """Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."""
+    return _dispatch(_plan_allgather(tensor), name or "allgather", False)
+
+
+def allgather_async(tensor, *, name: str | None = None) -> Handle:
+    return _dispatch(_plan_allgather(tensor), name or "allgather_async", True)
+
+
+def _plan_broadcast(tensor, root_rank: int, inplace: bool) -> Callable[[], Any]:
+    w = _w()
+    if not 0 <= root_rank < w.size:
+        raise DDLConfigError(f"broadcast: root_rank {root_rank} is outside 0..{w.size - 1}")
+    f = tensors.flatten(tensor)
+    if inplace:
+        result, g = f.original, f
+    else:
+        result, g = tensors.empty_like(f)
+        np.copyto(g.array, f.array)
+    engine = _engine
+
+    def job():
+        engine.broadcast(g.array, f.dtype, root_rank, f.shape)
+        g.write_back()
+        return result
+
+    return job
+
+
+def broadcast(tensor, root_rank: int = 0, *, name: str | None = None):
+    """Return a copy of ``root_rank``'s tensor on every rank."""
+    return _dispatch(_plan_broadcast(tensor, root_rank, False), name or "broadcast", False)
+
+
+def broadcast_(tensor, root_rank: int = 0, *, name: str | None = None):
+    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
+    return _dispatch(_plan_broadcast(tensor, root_rank, True), name or "broadcast_", False)
+
+
+def broadcast_async(tensor, root_rank: int = 0, *, name: str | None = None) -> Handle:
+    return _dispatch(_plan_broadcast(tensor, root_rank, False), name or "broadcast_async", True)
+
+
+def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None) -> Handle:
+    return _dispatch(_plan_broadcast(tensor, root_rank, True), name or "broadcast_async_", True)
+
+
+def split_rows(rows: int, n: int) -> list[int]:
+    """How reduce_scatter splits dimension 0: as evenly as possible, lower ranks first."""
+    return [rows // n + (1 if j < rows % n else 0) for j in range(n)]
+
+
+def _plan_reduce_scatter(tensor, op) -> Callable[[], Any]:
+    w = _w()
+    op = parse_op(op)
+    f = tensors.flatten(tensor)
+    check_op(op, f.dtype)
+    rows, row_shape, row = _rows(f, "reduce_scatter")
+    split = split_rows(rows, w.size)
+    counts = [c * row for c in split]
+    result, g = tensors.empty_like(f, (split[w.rank],) + row_shape)
+    engine = _engine
+
+    def job():
+        engine.reduce_scatter(f.array, g.array, f.dtype, op, f.shape, counts)
+        g.write_back()
+        return result
+
+    return job
+
+
+def reduce_scatter(tensor, op: ReduceOp | str = Average, *, name: str | None = None):
+    """Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."""
+    return _dispatch(_plan_reduce_scatter(tensor, op), name or "reduce_scatter", False)
+
+
+def reduce_scatter_async(tensor, op: ReduceOp | str = Average, *,
+                         name: str | None = None) -> Handle:
+    return _dispatch(_plan_reduce_scatter(tensor, op), name or "reduce_scatter_async", True)
+
+
+def barrier() -> None:
+    _w()
+    engine = _engine
+    _runtime.run(engine.barrier, "barrier")
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an ``*_async`` operation and return its result (raises its error)."""
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True when the ``*_async`` operation has finished."""
+    return handle.poll()

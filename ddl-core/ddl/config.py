@@ -1,0 +1,157 @@
+"""The one registry of environment variables that PowerDDL reads.
+
+Library code never reads ``os.environ`` directly: it asks this module, so every knob has a
+name, a type, a default and a line of documentation in one place (``ddl-perf env`` and
+docs/tuning.md list them from here).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import DDLConfigError
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (0/1), got {text!r}")
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (binary units): ``4M`` is 4 MiB."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    if t and t[-1] in "KMG":
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
+        t = t[:-1]
+    value = int(float(t) * mult)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+_VARS = [
+    # The torchrun contract: set by ddlrun, torchrun, or by hand.
+    EnvVar("RANK", int, 0, "global rank of this process"),
+    EnvVar("WORLD_SIZE", int, 1, "number of ranks in the job"),
+    EnvVar("LOCAL_RANK", int, None, "rank among the processes on this host (default: RANK)"),
+    EnvVar("LOCAL_WORLD_SIZE", int, None, "processes on this host (default: WORLD_SIZE)"),
+    EnvVar("GROUP_RANK", int, 0, "index of this host (node rank) in the job"),
+    EnvVar("MASTER_ADDR", str, "127.0.0.1", "address of rank 0, for cross-host rendezvous"),
+    EnvVar("MASTER_PORT", int, 29500, "port of rank 0, for cross-host rendezvous"),
+    # PowerDDL's own.
+    EnvVar("DDL_OPTIONS", str, "", "IBM DDL option string, e.g. '-mode b:4x2 -dump_iter 100'"),
+    EnvVar(
+        "DDL_JOB_ID",
+        str,
+        None,
+        "job id that scopes shared memory (set by ddlrun; default: derived from "
+        "MASTER_ADDR, MASTER_PORT and WORLD_SIZE)",
+    ),
+    EnvVar(
+        "DDL_HOST_INDEX",
+        int,
+        None,
+        "index of this host in the job, used to scope shared memory (default: GROUP_RANK)",
+    ),
+    EnvVar("DDL_HOSTS", str, "", "comma-separated host list of the job (set by ddlrun)"),
+    EnvVar(
+        "DDL_TIMEOUT",
+        float,
+        30.0,
+        "seconds a collective waits for a peer before raising DDLError",
+    ),
+    EnvVar(
+        "DDL_INIT_TIMEOUT",
+        float,
+        60.0,
+        "seconds ddl.init() waits for the other ranks on this host to attach",
+    ),
+    EnvVar(
+        "DDL_SHM_SLOT_BYTES",
+        _size,
+        4 << 20,
+        "staging bytes per rank and parity in the shared-memory engine; larger messages "
+        "are pipelined in chunks of this size (capped by DDL_SHM_MAX_BYTES)",
+    ),
+    EnvVar(
+        "DDL_SHM_MAX_BYTES",
+        _size,
+        32 << 20,
+        "upper bound on the staging area of the shared-memory engine per host "
+        "(Docker's default /dev/shm is 64 MiB)",
+    ),
+    EnvVar(
+        "DDL_SHM_SMALL_BYTES",
+        _size,
+        64 << 10,
+        "messages up to this size use the one-step allreduce (every rank reduces all inputs); "
+        "larger ones reduce-scatter then allgather through the staging area",
+    ),
+    EnvVar(
+        "DDL_SHM_WAIT",
+        _choice("auto", "spin", "yield", "futex"),
+        "auto",
+        "wait policy: 'spin' polls, then yields, then sleeps; 'yield' calls sched_yield in "
+        "every poll; 'futex' sleeps in the kernel until the peer arrives and wakes it; "
+        "'auto' spins when ranks fit the cores and uses futex when they outnumber them",
+    ),
+    EnvVar(
+        "DDL_SHM_HEAP_BYTES",
+        _size,
+        256 << 20,
+        "size of each shared heap segment behind ddl.malloc() (created on first use)",
+    ),
+    EnvVar(
+        "DDL_SHM_FENCES",
+        _bool,
+        None,
+        "use release/acquire counters (libatomic) in the shared-memory engine; default: "
+        "only on weakly ordered CPUs (POWER, aarch64), where they are required",
+    ),
+    EnvVar("DDL_DEBUG", _bool, False, "log engine decisions to stderr"),
+]
+
+REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of a registered variable, or its default when unset or empty."""
+    var = REGISTRY[name]
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except (ValueError, TypeError) as exc:
+        raise DDLConfigError(f"{name}={raw!r} is invalid: {exc}") from None
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, default, doc) for every variable, for docs and ``ddl-perf env``."""
+    return [(v.name, "" if v.default is None else str(v.default), v.doc) for v in _VARS]

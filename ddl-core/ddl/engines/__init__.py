@@ -1,0 +1,1 @@
+"""Communication engines. Each one runs collectives among a group of ranks."""

@@ -1,0 +1,108 @@
+"""``DDL_OPTIONS``: the IBM DDL option string, e.g. ``-mode b:4x2 -dump_iter 100``.
+
+Pure parsing; what the options do lives with the algorithms that read them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from .errors import DDLConfigError
+
+MODES = {
+    "r": "ring in every dimension",
+    "n": "engine-native collective where possible",
+    "b": "best of native/ring per dimension by the cost model",
+    "p": "explore: time each candidate per dimension at start, keep the fastest",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str = "r"
+    grid: tuple[int, ...] | None = None  # innermost dimension first; None = one flat ring
+    dump_iter: int = 0
+    dbg_level: int = 0
+
+    def to_string(self) -> str:
+        parts = []
+        if self.grid is not None:
+            parts.append(f"-mode {self.mode}:{'x'.join(map(str, self.grid))}")
+        elif self.mode != "r":
+            parts.append(f"-mode {self.mode}")
+        if self.dump_iter:
+            parts.append(f"-dump_iter {self.dump_iter}")
+        if self.dbg_level:
+            parts.append(f"-dbg_level {self.dbg_level}")
+        return " ".join(parts)
+
+
+def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None]:
+    letter, _, dims = text.partition(":")
+    if letter not in MODES:
+        raise DDLConfigError(
+            f"-mode {text!r}: unknown mode letter {letter!r}; use one of "
+            + ", ".join(f"{k} ({v})" for k, v in MODES.items())
+        )
+    if not dims:
+        return letter, None
+    try:
+        grid = tuple(int(d) for d in dims.lower().split("x"))
+    except ValueError:
+        raise DDLConfigError(
+            f"-mode {text!r}: the grid must be positive integers joined by 'x', e.g. b:4x2"
+        ) from None
+    if not grid or any(d < 1 for d in grid):
+        raise DDLConfigError(f"-mode {text!r}: every grid dimension must be >= 1")
+    return letter, grid
+
+
+def _int_arg(flag: str, value: str, lo: int, hi: int | None = None) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise DDLConfigError(f"{flag} expects an integer, got {value!r}") from None
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise DDLConfigError(f"{flag} must be {rng}, got {v}")
+    return v
+
+
+def parse(text: str) -> Options:
+    try:
+        tokens = shlex.split(text or "")
+    except ValueError as exc:
+        raise DDLConfigError(f"DDL_OPTIONS {text!r}: {exc}") from None
+    mode, grid, dump_iter, dbg = "r", None, 0, 0
+    i = 0
+    while i < len(tokens):
+        flag = tokens[i]
+        if flag not in ("-mode", "-dump_iter", "-dbg_level"):
+            raise DDLConfigError(
+                f"DDL_OPTIONS: unknown option {flag!r} (known: -mode, -dump_iter, -dbg_level)"
+            )
+        if i + 1 >= len(tokens):
+            raise DDLConfigError(f"DDL_OPTIONS: {flag} needs a value")
+        value = tokens[i + 1]
+        if flag == "-mode":
+            mode, grid = parse_mode(value)
+        elif flag == "-dump_iter":
+            dump_iter = _int_arg(flag, value, 0)
+        else:
+            dbg = _int_arg(flag, value, 0, 2)
+        i += 2
+    return Options(mode, grid, dump_iter, dbg)
+
+
+def check_grid(opts: Options, world_size: int) -> None:
+    if opts.grid is None:
+        return
+    prod = 1
+    for d in opts.grid:
+        prod *= d
+    if prod != world_size:
+        raise DDLConfigError(
+            f"-mode {opts.mode}:{'x'.join(map(str, opts.grid))} describes {prod} ranks but the "
+            f"job has {world_size}"
+        )

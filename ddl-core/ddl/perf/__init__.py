@@ -1,0 +1,1 @@
+"""ddl-perf: bandwidth and latency of collectives, side by side with the peers."""

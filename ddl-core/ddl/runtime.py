@@ -1,0 +1,106 @@
+"""Ordering and asynchrony: one background worker runs queued collectives in submission
+order (every rank submits in the same order, so every rank runs them in the same order).
+A blocking call made while nothing is queued runs on the caller's thread, which keeps small
+messages free of a thread hand-off."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import DDLError
+
+
+class Handle:
+    """The result of an ``*_async`` call: ``wait()`` returns it, ``poll()`` says if ready."""
+
+    __slots__ = ("_done", "_result", "_error", "name")
+
+    def __init__(self, name: str = ""):
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.name = name
+
+    def poll(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise DDLError(f"{self.name or 'operation'} did not finish within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "done" if self.poll() else "pending"
+        return f"<ddl.Handle {self.name or '?'} {state}>"
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self._engine_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[Handle, Callable[[], Any]]] = collections.deque()
+        self._busy = 0  # queued or running
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def run(self, fn: Callable[[], Any], name: str = "") -> Any:
+        # An unlocked read is enough: only this thread's own earlier submits matter for
+        # ordering, and those are counted before submit() returns.
+        if self._busy == 0:
+            with self._engine_lock:
+                return fn()
+        return self.submit(fn, name).wait()
+
+    def submit(self, fn: Callable[[], Any], name: str = "") -> Handle:
+        h = Handle(name)
+        with self._cv:
+            if self._closed:
+                raise DDLError("ddl was shut down; call ddl.init() again")
+            self._queue.append((h, fn))
+            self._busy += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ddl-runtime", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return h
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                h, fn = self._queue.popleft()
+            try:
+                with self._engine_lock:
+                    result = fn()
+            except BaseException as exc:  # handed to whoever waits on the handle
+                h._finish(error=exc)
+            else:
+                h._finish(result)
+            with self._cv:
+                self._busy -= 1
+                self._cv.notify_all()
+
+    def drain(self) -> None:
+        with self._cv:
+            while self._busy:
+                self._cv.wait(0.1)
+
+    def close(self) -> None:
+        self.drain()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

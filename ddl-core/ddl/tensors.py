@@ -1,0 +1,135 @@
+"""Turn the tensors users pass (numpy arrays, torch tensors) into flat numpy views the
+engines can move, without copying when the memory allows, and back.
+
+The core never imports a framework: torch is recognised only when the caller already
+imported it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .dtypes import DType
+from .errors import DDLConfigError
+
+
+class Flat:
+    """A 1-D view of a tensor's elements plus what is needed to give results back."""
+
+    __slots__ = ("array", "dtype", "shape", "original", "kind", "staged")
+
+    def __init__(self, array: np.ndarray, dtype: DType, shape: tuple[int, ...], original: Any,
+                 kind: str, staged: bool):
+        self.array = array  # 1-D, C-contiguous, storage dtype
+        self.dtype = dtype
+        self.shape = shape
+        self.original = original
+        self.kind = kind  # "numpy" | "torch"
+        self.staged = staged  # array is a private copy (non-contiguous or device tensor)
+
+    def write_back(self) -> None:
+        """Make an in-place result visible in the original when we had to stage a copy."""
+        if not self.staged:
+            return
+        if self.kind == "numpy":
+            self.original[...] = self.array.reshape(self.shape)
+        else:
+            _torch_write_back(self.original, self.array, self.dtype, self.shape)
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def flatten(x: Any, *, name: str = "tensor") -> Flat:
+    if isinstance(x, np.ndarray):
+        dt = dtypes.from_numpy(x.dtype)
+        if x.flags.c_contiguous:
+            return Flat(x if x.ndim == 1 else x.reshape(-1), dt, x.shape, x, "numpy", False)
+        return Flat(np.ascontiguousarray(x).reshape(-1), dt, x.shape, x, "numpy", True)
+    if is_torch(x):
+        return _flatten_torch(x)
+    if isinstance(x, (np.generic, int, float, bool, complex)):
+        raise DDLConfigError(
+            f"{name} is a scalar; pass an array (np.asarray(value) or torch.tensor(value))"
+        )
+    raise DDLConfigError(
+        f"{name} has unsupported type {type(x).__module__}.{type(x).__name__}: "
+        "ddl collectives take numpy arrays or torch tensors"
+    )
+
+
+def _torch_dtype(t) -> DType:
+    torch = _torch()
+    if t.dtype == torch.bfloat16:
+        return dtypes.BFLOAT16
+    name = str(t.dtype).removeprefix("torch.")
+    try:
+        return dtypes.BY_NAME[name] if name != "bfloat16" else dtypes.BFLOAT16
+    except KeyError:
+        raise DDLConfigError(f"torch dtype {t.dtype} is not supported by ddl collectives") from None
+
+
+def _torch_as_numpy(t, dt: DType) -> np.ndarray:
+    torch = _torch()
+    if dt is dtypes.BFLOAT16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _flatten_torch(x) -> Flat:
+    dt = _torch_dtype(x)
+    t = x.detach()
+    staged = False
+    if t.device.type != "cpu":
+        # GPU tensors go through host memory on the CPU engines.
+        t = t.to("cpu").contiguous()
+        staged = True
+    elif not t.is_contiguous():
+        t = t.contiguous()
+        staged = True
+    arr = _torch_as_numpy(t, dt).reshape(-1)
+    return Flat(arr, dt, tuple(x.shape), x, "torch", staged)
+
+
+def _torch_write_back(orig, arr: np.ndarray, dt: DType, shape) -> None:
+    torch = _torch()
+    src = torch.from_numpy(arr.reshape(shape))
+    if dt is dtypes.BFLOAT16:
+        src = src.view(torch.bfloat16)
+    with torch.no_grad():
+        orig.copy_(src)
+
+
+def empty_like(flat: Flat, shape: tuple[int, ...] | None = None) -> tuple[Any, Flat]:
+    """A new tensor of the same kind/dtype/device as ``flat.original`` and its flat view."""
+    shape = flat.shape if shape is None else tuple(shape)
+    if flat.kind == "numpy":
+        out = np.empty(shape, dtype=flat.original.dtype)
+        return out, Flat(out.reshape(-1), flat.dtype, shape, out, "numpy", False)
+    torch = _torch()
+    orig = flat.original
+    out = torch.empty(shape, dtype=orig.dtype, device="cpu")
+    f = Flat(_torch_as_numpy(out, flat.dtype).reshape(-1), flat.dtype, shape, out, "torch", False)
+    if orig.device.type != "cpu":
+        dev = torch.empty(shape, dtype=orig.dtype, device=orig.device)
+        f = Flat(f.array, flat.dtype, shape, dev, "torch", True)
+        return dev, f
+    return out, f
+
+
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.size > 0 and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
+def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.shares_memory(a, b) if a.size and b.size else False

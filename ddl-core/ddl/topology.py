@@ -1,0 +1,64 @@
+"""Who this process is in the job, from the launch environment (torchrun contract)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from . import config
+from .errors import DDLConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    host_index: int
+    num_hosts: int
+    job_id: str
+
+    @property
+    def cross_rank(self) -> int:
+        return self.host_index
+
+    @property
+    def cross_size(self) -> int:
+        return self.num_hosts
+
+
+def _default_job_id(env: Mapping[str, str] | None) -> str:
+    # Ranks started without ddlrun (torchrun, by hand) agree on this without talking.
+    addr, port = config.get("MASTER_ADDR", env), config.get("MASTER_PORT", env)
+    key = f"{addr}:{port}:{config.get('WORLD_SIZE', env)}"
+    return "auto" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def world_from_env(env: Mapping[str, str] | None = None) -> World:
+    size = config.get("WORLD_SIZE", env)
+    rank = config.get("RANK", env)
+    local_size = config.get("LOCAL_WORLD_SIZE", env)
+    local_rank = config.get("LOCAL_RANK", env)
+    if local_size is None:
+        local_size = size
+    if local_rank is None:
+        local_rank = rank if local_size == size else rank % local_size
+    host_index = config.get("DDL_HOST_INDEX", env)
+    if host_index is None:
+        host_index = config.get("GROUP_RANK", env)
+    if size < 1:
+        raise DDLConfigError(f"WORLD_SIZE must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise DDLConfigError(f"RANK={rank} is outside 0..{size - 1} (WORLD_SIZE={size})")
+    if not 1 <= local_size <= size:
+        raise DDLConfigError(f"LOCAL_WORLD_SIZE={local_size} must be in 1..WORLD_SIZE={size}")
+    if not 0 <= local_rank < local_size:
+        raise DDLConfigError(
+            f"LOCAL_RANK={local_rank} is outside 0..{local_size - 1} (LOCAL_WORLD_SIZE)"
+        )
+    hosts = [h for h in config.get("DDL_HOSTS", env).split(",") if h]
+    num_hosts = len(hosts) if hosts else -(-size // local_size)
+    job_id = config.get("DDL_JOB_ID", env) or _default_job_id(env)
+    return World(rank, size, local_rank, local_size, host_index, num_hosts, job_id)

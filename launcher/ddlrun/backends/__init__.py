@@ -1,0 +1,82 @@
+"""Backends: one class each, ``get_cmd()`` returns argv lists (tests assert on them
+without launching), ``start(plan, sink, emit)`` runs, ``close(timeout)`` tears down."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..events import Emit
+from ..output import OutputSink
+from ..plan import JobPlan
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Backend knobs from the command line (all optional)."""
+
+    ssh_port: int | None = None
+    ssh_identity: str | None = None
+    ssh_config: str | None = None
+    remote_python: str = sys.executable
+    start_timeout: float = 30.0
+    grace: float = 5.0
+    mpiargs: tuple[str, ...] = ()
+    tcp: bool = False
+    network_interface: str | None = None
+    tag_output: bool = True
+    is_root: bool = False
+    rankfile_path: str | None = None
+    cwd: str | None = None
+
+
+class Backend:
+    name = ""
+    notes_own_command = False  # prints "running: ..." itself (after writing its files)
+
+    def __init__(self, opts: LaunchOptions) -> None:
+        self.opts = opts
+
+    @staticmethod
+    def exists() -> bool:
+        return True
+
+    def validate(self, plan: JobPlan) -> None:
+        """Raise UsageError when this backend cannot run the plan."""
+
+    def commands(self, plan: JobPlan) -> list[list[str]]:
+        """Every command this backend would run, for --dry-run."""
+        raise NotImplementedError
+
+    def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
+        raise NotImplementedError
+
+    def close(self, timeout: float) -> None:
+        raise NotImplementedError
+
+
+def check_path(value: str, what: str) -> str:
+    """Paths handed to ssh/mpirun: no whitespace or control characters, no leading '-'."""
+    if not value or value.startswith("-") or any(c.isspace() or ord(c) < 32 for c in value):
+        raise UsageError(f"{what} {value!r}: paths must not start with '-' or contain spaces")
+    return value
+
+
+def get_backend(name: str, opts: LaunchOptions) -> Backend:
+    from .local import LocalBackend
+    from .lsf import LsfBackend
+    from .mpirun import MpirunBackend
+    from .slurm import SlurmBackend
+    from .ssh import SshBackend
+
+    classes = {c.name: c for c in (LocalBackend, SshBackend, MpirunBackend, SlurmBackend,
+                                   LsfBackend)}
+    if name not in classes:
+        raise UsageError(f"--launcher {name!r}: choose from {', '.join(sorted(classes))}")
+    return classes[name](opts)
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0

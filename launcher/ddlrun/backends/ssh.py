@@ -1,0 +1,159 @@
+"""ssh backend: one connection per host, each running the per-host agent
+(``python -m ddlrun.agent``), which starts that host's ranks. The job spec (argv and env of
+every rank) travels as JSON on the connection's stdin, never on a command line.
+
+``AgentBackend`` holds the protocol; ``SshBackend`` (and ``LsfBackend``, over blaunch) only
+say how to reach a host in ``get_cmd()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import threading
+import time
+
+from ..events import Emit, HostLost, RankExit
+from ..hosts import HostSpec
+from ..output import OutputSink
+from ..plan import HostPlan, JobPlan
+from ..procs import Exit, ProcessSet, ProcSpec
+from . import Backend, check_path
+
+AGENT_MODULE = "ddlrun.agent"
+
+
+class AgentBackend(Backend):
+    """Start ``python -m ddlrun.agent`` on every host and speak its JSON-lines protocol."""
+
+    def transport(self, host: HostSpec, connect_timeout: float | None = None) -> list[str]:
+        raise NotImplementedError
+
+    def remote(self, *args: str) -> list[str]:
+        python = check_path(self.opts.remote_python, "--remote-python")
+        return [python, "-m", AGENT_MODULE, *args]
+
+    def get_cmd(self, host: HostSpec) -> list[str]:
+        return self.transport(host) + self.remote()
+
+    def probe_cmd(self, host: HostSpec, port: int | None, iface: str | None) -> list[str]:
+        args = ["--probe"]
+        if port:
+            args += ["--port", str(port)]
+        if iface:
+            args += ["--iface", iface]
+        return self.transport(host, self.opts.start_timeout) + self.remote(*args)
+
+    def commands(self, plan: JobPlan) -> list[list[str]]:
+        return [self.get_cmd(h.host) for h in plan.hosts]
+
+    def spec(self, plan: JobPlan, host: HostPlan) -> dict:
+        return {
+            "job_id": plan.job_id,
+            "host_index": host.index,
+            "grace": self.opts.grace,
+            "cwd": self.opts.cwd or os.getcwd(),
+            "ranks": [
+                {"rank": r.rank, "argv": list(r.argv), "env": r.env_dict()} for r in host.ranks
+            ],
+        }
+
+    # ------------------------------------------------------------------ run
+    def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
+        self.plan, self.sink, self.emit = plan, sink, emit
+        self._lock = threading.Lock()
+        self.exited: dict[int, set[int]] = {h.index: set() for h in plan.hosts}
+        self.done: set[int] = set()
+        self.last_err: dict[int, str] = {}
+        self.rank_pids: dict[int, int] = {}
+        self.procs = ProcessSet(self._on_line, self._on_exit)
+        env = dict(os.environ)
+        self.procs.start(
+            ProcSpec(h.index, tuple(self.get_cmd(h.host)), env, None, stdin_pipe=True)
+            for h in plan.hosts
+        )
+        for h in plan.hosts:
+            data = json.dumps(self.spec(plan, h), separators=(",", ":")) + "\n"
+            self.procs.write(h.index, data.encode())
+
+    def _on_line(self, host_index: int, stream: str, text: str) -> None:
+        host = self.plan.hosts[host_index].host.name
+        if stream == "stderr":
+            self.last_err[host_index] = text.rstrip()
+            self.sink.note(f"{host}: {text.rstrip()}")
+            return
+        try:
+            msg = json.loads(text)
+            kind = msg["t"]
+        except (ValueError, KeyError, TypeError):
+            if text.strip():
+                self.sink.note(f"{host}: {text.rstrip()}")
+            return
+        if kind == "line":
+            self.sink.line(int(msg["r"]), msg["s"], msg["d"])
+        elif kind == "exit":
+            rank = int(msg["r"])
+            with self._lock:
+                self.exited[host_index].add(rank)
+            self.emit(RankExit(rank, host_index, int(msg["c"]), int(msg["p"]), time.monotonic()))
+        elif kind == "started":
+            self.rank_pids.update({int(k): int(v) for k, v in msg["pids"].items()})
+        elif kind == "error":
+            self.last_err[host_index] = str(msg.get("m"))
+            self.sink.note(f"{host}: {msg.get('m')}")
+        elif kind == "done":
+            with self._lock:
+                self.done.add(host_index)
+
+    def _on_exit(self, ex: Exit) -> None:
+        hp = self.plan.hosts[ex.key]
+        with self._lock:
+            missing = len(hp.ranks) - len(self.exited[ex.key])
+        if missing > 0:
+            why = self.last_err.get(ex.key) or f"connection exited with code {ex.code}"
+            self.emit(HostLost(ex.key, ex.code, f"agent on {hp.host.name} ended: {why}",
+                               ex.time))
+
+    def close(self, timeout: float) -> None:
+        procs = getattr(self, "procs", None)
+        if procs is None:
+            return
+        stop = b'{"t":"stop"}\n'
+        for key in procs.running():
+            procs.write(key, stop)
+        deadline = time.monotonic() + timeout + 2.0  # the agent's own grace, plus transit
+        while procs.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Still there: closing stdin (EOF) and then signals make the agents tear down.
+        procs.close(timeout=2.0)
+
+
+class SshBackend(AgentBackend):
+    name = "ssh"
+
+    def transport(self, host: HostSpec, connect_timeout: float | None = None) -> list[str]:
+        o = self.opts
+        argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5",
+                "-o", "ServerAliveCountMax=3"]
+        timeout = connect_timeout or o.start_timeout
+        argv += ["-o", f"ConnectTimeout={max(1, int(timeout))}"]
+        if o.ssh_config:
+            argv += ["-F", check_path(o.ssh_config, "--ssh-config")]
+        if o.ssh_port:
+            argv += ["-p", str(int(o.ssh_port))]
+        if o.ssh_identity:
+            argv += ["-i", check_path(o.ssh_identity, "--ssh-identity")]
+        if host.user:
+            argv += ["-l", host.user]
+        # "--" ends ssh's options: the (validated) host can never be read as one.
+        return [*argv, "--", host.name]
+
+    def remote(self, *args: str) -> list[str]:
+        # ssh hands the remote command to the remote shell: quote every word.
+        return [shlex.join(super().remote(*args))]
+
+    def fix_hint(self, host: HostSpec) -> str:
+        port = f" -p {self.opts.ssh_port}" if self.opts.ssh_port else ""
+        return (f"check that `ssh{port} {host.destination} true` works without a password "
+                "and the host key is known")

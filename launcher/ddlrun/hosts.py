@@ -1,0 +1,265 @@
+"""Host lists: ``-H``, hostfiles, Slurm and LSF allocations. Pure functions over text.
+
+Every host name and user name is validated here, once, before it can reach a command
+line: only ``[A-Za-z0-9_.-]`` (plus ``:`` inside ``[...]`` for IPv6 literals), and never a
+leading ``-`` (which ssh or mpirun would read as an option, e.g. ``-oProxyCommand=...``).
+Hostfile parsing takes lines, not paths, so errors carry ``file:line``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+_HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\])$")
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of the job. ``slots`` is None when the user did not say (then GPUs detected
+    on the host, else 1, decide)."""
+
+    name: str
+    slots: int | None = None
+    user: str | None = None
+
+    @property
+    def destination(self) -> str:
+        """``user@host`` or ``host``, for ssh."""
+        return f"{self.user}@{self.name}" if self.user else self.name
+
+
+def validate_hostname(name: str, where: str = "host") -> str:
+    if not _HOST.match(name):
+        raise UsageError(
+            f"{where}: invalid host name {name!r}: use letters, digits, '.', '-', '_' "
+            "(no spaces or shell characters, must not start with '-')"
+        )
+    return name
+
+
+def validate_user(user: str, where: str = "host") -> str:
+    if not _USER.match(user):
+        raise UsageError(
+            f"{where}: invalid user name {user!r}: use letters, digits, '.', '-', '_' "
+            "and start with a letter or '_'"
+        )
+    return user
+
+
+def _slots(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{where}: slots must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def parse_host_token(token: str, where: str = "-H") -> HostSpec:
+    """``host``, ``host:N``, ``user@host:N``; IPv6 as ``[::1]:N``."""
+    token = token.strip()
+    if not token:
+        raise UsageError(f"{where}: empty host name")
+    user = None
+    if "@" in token:
+        user, token = token.split("@", 1)
+        validate_user(user, where)
+    slots = None
+    if token.startswith("["):
+        end = token.find("]")
+        if end < 0:
+            raise UsageError(f"{where}: unterminated '[' in {token!r}")
+        name, rest = token[: end + 1], token[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise UsageError(f"{where}: unexpected {rest!r} after {name!r}")
+            slots = _slots(rest[1:], where)
+    elif ":" in token:
+        name, _, count = token.rpartition(":")
+        slots = _slots(count, where)
+    else:
+        name = token
+    return HostSpec(validate_hostname(name, where), slots, user)
+
+
+def parse_host_list(text: str, where: str = "-H") -> tuple[HostSpec, ...]:
+    """``-H h1:4,h2:4``."""
+    hosts = tuple(parse_host_token(t, where) for t in text.split(","))
+    return _no_duplicates(hosts, where)
+
+
+def parse_hostfile(lines: Iterable[str], source: str = "hostfile") -> tuple[HostSpec, ...]:
+    """Hostfile lines: ``host``, ``host slots=N``, ``host:N``, ``user@host ...``; ``#``
+    comments and blank lines are ignored; ``max_slots=`` is accepted and ignored (Open MPI)."""
+    hosts: list[HostSpec] = []
+    for lineno, raw in enumerate(lines, 1):
+        where = f"{source}:{lineno}"
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = line.split()
+        spec = parse_host_token(fields[0], where)
+        for field in fields[1:]:
+            key, eq, value = field.partition("=")
+            if not eq or key not in ("slots", "max_slots", "max-slots"):
+                raise UsageError(
+                    f"{where}: unexpected {field!r}: expected 'host slots=N' or 'host:N'"
+                )
+            if key == "slots":
+                if spec.slots is not None:
+                    raise UsageError(f"{where}: slots given twice for {spec.name!r}")
+                spec = HostSpec(spec.name, _slots(value, where), spec.user)
+            else:
+                _slots(value, where)
+        hosts.append(spec)
+    if not hosts:
+        raise UsageError(f"{source}: no hosts found")
+    return _no_duplicates(tuple(hosts), source)
+
+
+def _no_duplicates(hosts: tuple[HostSpec, ...], where: str) -> tuple[HostSpec, ...]:
+    seen: set[str] = set()
+    for h in hosts:
+        if h.name in seen:
+            raise UsageError(
+                f"{where}: host {h.name!r} is listed twice: give it once with slots=N"
+            )
+        seen.add(h.name)
+    return hosts
+
+
+# ---------------------------------------------------------------------------- Slurm
+def expand_nodelist(text: str) -> list[str]:
+    """Expand a Slurm node list: ``node[01-04,07],gpu5`` -> node01..node04, node07, gpu5.
+    Several bracket groups (``r[1-2]n[1-2]``) expand as a product, left to right."""
+    out: list[str] = []
+    for item in _split_top(text, "SLURM_JOB_NODELIST"):
+        out.extend(_expand_item(item))
+    for name in out:
+        validate_hostname(name, "SLURM_JOB_NODELIST")
+    return out
+
+
+def _split_top(text: str, where: str) -> list[str]:
+    items, depth, cur = [], 0, []
+    for ch in text.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"{where}: unbalanced ']' in {text!r}")
+        if ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise UsageError(f"{where}: unbalanced '[' in {text!r}")
+    items.append("".join(cur))
+    if any(not i for i in items):
+        raise UsageError(f"{where}: empty entry in {text!r}")
+    return items
+
+
+def _expand_item(item: str) -> list[str]:
+    m = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", item)
+    if not m:
+        return [item]
+    prefix, ranges, rest = m.groups()
+    names = []
+    for part in ranges.split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise UsageError(f"SLURM_JOB_NODELIST: bad range {part!r} in {item!r}")
+        if not dash:
+            names.append(prefix + lo)
+            continue
+        width = len(lo)
+        if int(hi) < int(lo):
+            raise UsageError(f"SLURM_JOB_NODELIST: descending range {part!r}")
+        names.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+    return [n + tail for n in names for tail in _expand_item(rest)] if rest else names
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE``: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part.strip())
+        if not m:
+            raise UsageError(f"SLURM_TASKS_PER_NODE: cannot parse {part!r}")
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
+
+
+def slurm_hosts(env: Mapping[str, str]) -> tuple[HostSpec, ...]:
+    names = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+    tasks = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE")
+    if tasks:
+        counts = expand_tasks_per_node(tasks)
+        if len(counts) == len(names):
+            return tuple(HostSpec(n, c) for n, c in zip(names, counts, strict=True))
+    return tuple(HostSpec(n) for n in names)
+
+
+# ---------------------------------------------------------------------------- LSF
+def parse_lsb_mcpu_hosts(text: str) -> tuple[HostSpec, ...]:
+    """``LSB_MCPU_HOSTS="hostA 4 hostB 4"``."""
+    fields = text.split()
+    if len(fields) % 2:
+        raise UsageError(f"LSB_MCPU_HOSTS: expected 'host count' pairs, got {text!r}")
+    hosts = tuple(
+        HostSpec(validate_hostname(h, "LSB_MCPU_HOSTS"), _slots(c, "LSB_MCPU_HOSTS"))
+        for h, c in zip(fields[::2], fields[1::2], strict=True)
+    )
+    return _no_duplicates(hosts, "LSB_MCPU_HOSTS")
+
+
+def parse_lsb_hostfile(lines: Iterable[str], source: str = "LSB_DJOB_HOSTFILE") -> tuple[
+    HostSpec, ...
+]:
+    """One host name per slot (repeated), in order: counted into slots."""
+    counts: dict[str, int] = {}
+    for lineno, raw in enumerate(lines, 1):
+        name = raw.strip()
+        if name:
+            validate_hostname(name, f"{source}:{lineno}")
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        raise UsageError(f"{source}: no hosts found")
+    return tuple(HostSpec(n, c) for n, c in counts.items())
+
+
+def lsf_hosts(env: Mapping[str, str], read_lines=None) -> tuple[HostSpec, ...]:
+    """Hosts of an LSF allocation; ``read_lines(path)`` is the seam for LSB_DJOB_HOSTFILE.
+    LSF lists the launch host first; it runs ranks like any other host."""
+    path = env.get("LSB_DJOB_HOSTFILE")
+    if path:
+        reader = read_lines or _read_lines
+        return parse_lsb_hostfile(reader(path), path)
+    return parse_lsb_mcpu_hosts(env.get("LSB_MCPU_HOSTS", ""))
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def detect_allocation(env: Mapping[str, str]) -> str | None:
+    """'slurm', 'lsf' or None: which scheduler allocation ddlrun runs inside."""
+    if env.get("SLURM_JOB_ID") and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
+        return "slurm"
+    if env.get("LSB_JOBID") and (env.get("LSB_DJOB_HOSTFILE") or env.get("LSB_MCPU_HOSTS")):
+        return "lsf"
+    return None
+
+
+def is_local(name: str, local_names: Iterable[str] = ()) -> bool:
+    return name in LOCAL_NAMES or name in set(local_names)

@@ -1,0 +1,419 @@
+"""The job plan: who runs where, with which argv and env. Pure: no I/O, no clock, no
+randomness (the job id and master port come in as inputs), so tests assert on it directly.
+
+Env contract, for every rank (torchrun-compatible, so unchanged torch scripts run):
+
+=================  ===========================================================
+RANK               global rank, 0..WORLD_SIZE-1
+WORLD_SIZE         number of ranks in the job
+LOCAL_RANK         rank among the processes on this host
+LOCAL_WORLD_SIZE   processes on this host
+GROUP_RANK         index of this host in the job (node rank), 0..hosts-1
+MASTER_ADDR        address of host 0 (its --network-interface address when given)
+MASTER_PORT        free port on host 0 for rendezvous
+DDL_OPTIONS        IBM DDL options, e.g. ``-mode p:4x2`` (omitted with --no_ddloptions)
+DDL_JOB_ID         unique job id ``[A-Za-z0-9_.]{1,64}``; scopes shared memory
+DDL_HOST_INDEX     same as GROUP_RANK; scopes shared memory per host
+DDL_HOSTS          comma-separated host list of the job, in host-index order
+CUDA_VISIBLE_DEVICES  the rank's GPU(s), only on hosts where GPUs were detected
+OMP_NUM_THREADS    cores per host // local ranks (min 1), only if not set by the user
+GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME   with --network-interface
+NCCL_IB_DISABLE=1  with --tcp
+=================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import UsageError
+from .hosts import HostSpec, is_local
+
+RANK_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DDL_OPTIONS",
+    "DDL_JOB_ID",
+    "DDL_HOST_INDEX",
+    "DDL_HOSTS",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+_MODE = re.compile(r"^([rnbp]+)(?::(\d+(?:x\d+)*))?$")
+DEFAULT_MODE = "p"
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What preflight learned about a host (defaults: nothing known)."""
+
+    cores: int = 1
+    gpus: int = 0
+    address: str | None = None  # the host's address on --network-interface
+    hostname: str = ""
+    versions: tuple[tuple[str, str], ...] = ()
+    free_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """Everything planning needs from the command line (built by cli.config_from_args)."""
+
+    program: tuple[str, ...]
+    hosts: tuple[HostSpec, ...] = ()
+    nproc: int | None = None
+    accelerators: int | None = None
+    mode: str | None = None
+    racks: int | None = None
+    aisles: int | None = None
+    ddloptions: tuple[str, ...] = ()
+    no_ddloptions: bool = False
+    env: tuple[tuple[str, str | None], ...] = ()  # -x KEY[=VAL]
+    network_interface: str | None = None
+    master_addr: str | None = None
+    tcp: bool = False
+    rankfile: tuple[tuple[int, str], ...] = ()  # (rank, host) from a user rankfile
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    local_rank: int
+    host_index: int
+    host: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    index: int
+    host: HostSpec
+    ranks: tuple[RankSpec, ...]
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    job_id: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    ddl_options: str | None
+    hosts: tuple[HostPlan, ...]
+    program: tuple[str, ...]
+    common_env: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def ranks(self) -> tuple[RankSpec, ...]:
+        return tuple(r for h in self.hosts for r in h.ranks)
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        return tuple(h.host.name for h in self.hosts)
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """Host index of every rank, in rank order."""
+        return tuple(r.host_index for r in sorted(self.ranks, key=lambda r: r.rank))
+
+
+# ---------------------------------------------------------------------------- placement
+def slots_per_host(req: Request, facts: Mapping[str, HostFacts]) -> list[int]:
+    """Ranks each host can take: --accelerators, else the host's slots, else its GPUs,
+    else -n for a single host, else 1."""
+    out = []
+    for h in req.hosts:
+        if req.accelerators is not None:
+            out.append(req.accelerators)
+        elif h.slots is not None:
+            out.append(h.slots)
+        elif facts.get(h.name, HostFacts()).gpus > 0:
+            out.append(facts[h.name].gpus)
+        elif len(req.hosts) == 1 and req.nproc:
+            out.append(req.nproc)
+        else:
+            out.append(1)
+    return out
+
+
+def assign(req: Request, facts: Mapping[str, HostFacts]) -> list[tuple[int, int]]:
+    """(host index, local rank) for every rank, in rank order. Fills host by host."""
+    if not req.hosts:
+        raise UsageError("no hosts: give -n N for local ranks, or -H / --hostfile")
+    if req.rankfile:
+        return _assign_rankfile(req)
+    slots = slots_per_host(req, facts)
+    total = sum(slots)
+    n = req.nproc if req.nproc is not None else total
+    if n < 1:
+        raise UsageError(f"-n must be at least 1, got {n}")
+    if n > total:
+        listing = ", ".join(f"{h.name}:{s}" for h, s in zip(req.hosts, slots, strict=True))
+        raise UsageError(
+            f"asked for {n} ranks but the hosts provide only {total} slots ({listing}): "
+            "add hosts, raise slots (host:N / slots=N / --accelerators) or lower -n"
+        )
+    out: list[tuple[int, int]] = []
+    for index, count in enumerate(slots):
+        for local in range(count):
+            if len(out) == n:
+                return out
+            out.append((index, local))
+    return out
+
+
+def _assign_rankfile(req: Request) -> list[tuple[int, int]]:
+    names = [h.name for h in req.hosts]
+    by_rank = dict(req.rankfile)
+    if sorted(by_rank) != list(range(len(by_rank))):
+        raise UsageError("rankfile: ranks must be 0..N-1 with none missing")
+    if req.nproc is not None and req.nproc != len(by_rank):
+        raise UsageError(f"rankfile has {len(by_rank)} ranks but -n is {req.nproc}")
+    counts: dict[str, int] = {}
+    out = []
+    for rank in range(len(by_rank)):
+        host = by_rank[rank]
+        if host not in names:
+            raise UsageError(f"rankfile: rank {rank} is on {host!r}, which is not in the hosts")
+        out.append((names.index(host), counts.get(host, 0)))
+        counts[host] = counts.get(host, 0) + 1
+    return out
+
+
+def parse_rankfile(lines: Sequence[str], source: str = "rankfile") -> tuple[tuple[int, str], ...]:
+    """Open MPI rankfile lines ``rank N=host slot=...`` -> ((rank, host), ...)."""
+    from .hosts import validate_hostname
+
+    out = []
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.match(r"^rank\s+(\d+)\s*=\s*(\S+)(?:\s+slot=\S+)?$", line)
+        if not m:
+            raise UsageError(f"{source}:{lineno}: expected 'rank N=host slot=S', got {line!r}")
+        out.append((int(m.group(1)), validate_hostname(m.group(2), f"{source}:{lineno}")))
+    if not out:
+        raise UsageError(f"{source}: no ranks found")
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- options
+def grid(ranks_per_host: int, nhosts: int, racks: int | None, aisles: int | None) -> list[int]:
+    """Machine grid, innermost first: GPUs per host x hosts per rack x racks per aisle x
+    aisles. Dimensions of size 1 are dropped (a grid of one dimension is a flat ring)."""
+    dims = [ranks_per_host]
+    racks = racks or 1
+    aisles = aisles or 1
+    if nhosts % racks:
+        raise UsageError(f"--racks {racks} does not divide the {nhosts} hosts evenly")
+    if racks % aisles:
+        raise UsageError(f"--aisles {aisles} does not divide the {racks} racks evenly")
+    dims += [nhosts // racks, racks // aisles, aisles]
+    kept = [d for d in dims if d > 1]
+    return kept or [1]
+
+
+def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | None:
+    if req.no_ddloptions:
+        return None
+    world = len(placement)
+    per_host: dict[int, int] = {}
+    for host, _ in placement:
+        per_host[host] = per_host.get(host, 0) + 1
+    mode = req.mode or DEFAULT_MODE
+    m = _MODE.match(mode)
+    if not m:
+        raise UsageError(
+            f"--mode {mode!r} is invalid: use letters r/n/b/p, optionally with a grid, "
+            "e.g. 'p' or 'b:4x2'"
+        )
+    letters, dims = m.groups()
+    if dims:
+        product = 1
+        for d in dims.split("x"):
+            product *= int(d)
+        if product != world:
+            raise UsageError(f"--mode {mode!r}: grid {dims} has {product} ranks, job has {world}")
+        spec = mode
+    else:
+        counts = set(per_host.values())
+        if len(counts) == 1:
+            spec = f"{letters}:" + "x".join(
+                str(d) for d in grid(counts.pop(), len(per_host), req.racks, req.aisles)
+            )
+        else:  # uneven hosts: no grid describes them, use one flat dimension
+            spec = f"{letters}:{world}"
+    return " ".join(("-mode", spec, *req.ddloptions))
+
+
+# ---------------------------------------------------------------------------- env
+def validate_env_name(name: str) -> str:
+    if not _ENV_NAME.match(name):
+        raise UsageError(f"-x {name!r}: not a valid environment variable name")
+    return name
+
+
+def cuda_devices(local_rank: int, local_size: int, gpus: int) -> str | None:
+    if gpus <= 0:
+        return None
+    if local_size <= gpus:
+        per = gpus // local_size
+        return ",".join(str(local_rank * per + i) for i in range(per))
+    return str(local_rank % gpus)
+
+
+def rank_env(
+    rank: int,
+    local_rank: int,
+    local_size: int,
+    host_index: int,
+    facts: HostFacts,
+    user_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The per-rank part of the env contract (shared with ``ddlrun.rankenv`` for mpirun and
+    srun, where it is computed on the rank's host)."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "GROUP_RANK": str(host_index),
+        "DDL_HOST_INDEX": str(host_index),
+    }
+    dev = cuda_devices(local_rank, local_size, facts.gpus)
+    if dev is not None and "CUDA_VISIBLE_DEVICES" not in user_env:
+        env["CUDA_VISIBLE_DEVICES"] = dev
+    if "OMP_NUM_THREADS" not in user_env:
+        env["OMP_NUM_THREADS"] = str(max(1, facts.cores // max(1, local_size)))
+    return env
+
+
+def _master_addr(req: Request, host0: HostSpec, facts: Mapping[str, HostFacts]) -> str:
+    if req.master_addr:
+        return req.master_addr
+    f = facts.get(host0.name)
+    if f and f.address:
+        return f.address
+    if all(is_local(h.name) for h in req.hosts):
+        return "127.0.0.1"
+    return host0.name.strip("[]")
+
+
+def make_plan(
+    req: Request,
+    facts: Mapping[str, HostFacts],
+    job_id: str,
+    master_port: int,
+    environ: Mapping[str, str],
+) -> JobPlan:
+    """Build the whole job plan. ``environ`` is the launcher's env (for ``-x KEY``)."""
+    if not req.program:
+        raise UsageError("no program given: ddlrun [options] program [args...]")
+    if not _JOB_ID.match(job_id):
+        raise UsageError(f"job id {job_id!r} is invalid: 1-64 characters of [A-Za-z0-9_.]")
+    if not 0 < master_port < 65536:
+        raise UsageError(f"--master-port {master_port} is out of range 1-65535")
+    placement = assign(req, facts)
+    used = sorted({h for h, _ in placement})
+    remap = {old: new for new, old in enumerate(used)}  # hosts without ranks drop out
+    hosts = [req.hosts[i] for i in used]
+    local_size = {remap[h]: sum(1 for p, _ in placement if p == h) for h in used}
+
+    user_env: dict[str, str] = {}
+    for key, value in req.env:
+        validate_env_name(key)
+        if value is None:
+            if key in environ:
+                user_env[key] = environ[key]
+        else:
+            user_env[key] = value
+    omp_set = dict(user_env)
+    if "OMP_NUM_THREADS" in environ:
+        omp_set["OMP_NUM_THREADS"] = environ["OMP_NUM_THREADS"]
+
+    options = ddl_options(req, placement)
+    common = dict(user_env)
+    common.update(
+        {
+            "WORLD_SIZE": str(len(placement)),
+            "MASTER_ADDR": _master_addr(req, hosts[0], facts),
+            "MASTER_PORT": str(master_port),
+            "DDL_JOB_ID": job_id,
+            "DDL_HOSTS": ",".join(h.name for h in hosts),
+        }
+    )
+    if options is not None:
+        common["DDL_OPTIONS"] = options
+    if req.network_interface:
+        common["GLOO_SOCKET_IFNAME"] = req.network_interface
+        common["NCCL_SOCKET_IFNAME"] = req.network_interface
+    if req.tcp:
+        common["NCCL_IB_DISABLE"] = "1"
+
+    per_host: dict[int, list[RankSpec]] = {i: [] for i in range(len(hosts))}
+    for rank, (old, local) in enumerate(placement):
+        index = remap[old]
+        host = hosts[index]
+        env = dict(common)
+        env.update(
+            rank_env(rank, local, local_size[index], index, facts.get(host.name, HostFacts()),
+                     omp_set)
+        )
+        per_host[index].append(RankSpec(rank, local, index, host.name, req.program,
+                                        tuple(sorted(env.items()))))
+    return JobPlan(
+        job_id=job_id,
+        world_size=len(placement),
+        master_addr=common["MASTER_ADDR"],
+        master_port=master_port,
+        ddl_options=options,
+        hosts=tuple(
+            HostPlan(i, h, tuple(per_host[i]), facts.get(h.name, HostFacts()).gpus)
+            for i, h in enumerate(hosts)
+        ),
+        program=req.program,
+        common_env=tuple(sorted(common.items())),
+    )
+
+
+def rankfile_lines(plan: JobPlan, cores: Mapping[str, int] | None = None) -> list[str]:
+    """Open MPI rankfile for the plan: ``rank R=host slot=S`` (S = local rank modulo the
+    host's cores, so oversubscribed hosts stay valid)."""
+    lines = []
+    for r in sorted(plan.ranks, key=lambda r: r.rank):
+        ncores = (cores or {}).get(r.host) or 0
+        slot = r.local_rank % ncores if ncores else r.local_rank
+        lines.append(f"rank {r.rank}={r.host} slot={slot}")
+    return lines
+
+
+def describe(plan: JobPlan) -> str:
+    """Human-readable plan for --dry-run and -v."""
+    out = [
+        f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} host(s)",
+        f"  MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}",
+        f"  DDL_OPTIONS={plan.ddl_options!r}" if plan.ddl_options is not None
+        else "  DDL_OPTIONS not set (--no_ddloptions)",
+    ]
+    common = dict(plan.common_env)
+    for h in plan.hosts:
+        out.append(f"host {h.index} {h.host.destination}: ranks "
+                   + ",".join(str(r.rank) for r in h.ranks))
+        for r in h.ranks:
+            own = {k: v for k, v in r.env if common.get(k) != v}
+            out.append(f"  [{r.rank}] " + " ".join(f"{k}={v}" for k, v in sorted(own.items())))
+    out.append("common env: " + " ".join(f"{k}={v}" for k, v in plan.common_env))
+    return "\n".join(out)

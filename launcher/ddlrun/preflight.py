@@ -1,0 +1,186 @@
+"""Preflight: is every host reachable, on the same versions, and is the master port free?
+
+``probe()`` runs on a host (in-process for local jobs, ``python -m ddlrun.agent --probe``
+over ssh for remote ones) and returns facts as JSON. ``check()`` is pure: facts in,
+problems (one clear line each) and a table out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import shutil
+import socket
+import struct
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+
+from .plan import HostFacts
+
+VERSION_KEYS = ("powerddl", "python", "torch")
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def count_gpus(run=subprocess.run) -> int:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return 0
+    try:
+        out = run([exe, "-L"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for ln in out.stdout.splitlines() if ln.startswith("GPU "))
+
+
+def interface_address(name: str) -> str | None:
+    """IPv4 address of a network interface (SIOCGIFADDR), None if absent/unconfigured."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = struct.pack("256s", name.encode()[:15])
+            res = fcntl.ioctl(s.fileno(), 0x8915, packed)  # SIOCGIFADDR
+            return socket.inet_ntoa(res[20:24])
+    except OSError:
+        return None
+
+
+def port_free(port: int, addr: str = "") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+            return True
+        except OSError:
+            return False
+
+
+def pick_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def probe(port: int | None = None, iface: str | None = None) -> dict:
+    """Facts about this host, as a JSON-able dict."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    facts = {
+        "hostname": socket.gethostname(),
+        "cores": cores,
+        "gpus": count_gpus(),
+        "versions": {
+            "powerddl": _dist_version("powerddl"),
+            "python": platform.python_version(),
+            "torch": _dist_version("torch"),
+        },
+        "iface": iface,
+        "address": interface_address(iface) if iface else None,
+    }
+    if port:
+        facts["port"] = port
+        facts["port_free"] = port_free(port)
+    else:
+        facts["port"] = pick_free_port()
+        facts["port_free"] = True
+    return facts
+
+
+def facts_from_probe(d: Mapping) -> HostFacts:
+    return HostFacts(
+        cores=int(d.get("cores", 1)),
+        gpus=int(d.get("gpus", 0)),
+        address=d.get("address"),
+        hostname=str(d.get("hostname", "")),
+        versions=tuple(sorted((str(k), str(v)) for k, v in dict(d.get("versions", {})).items())),
+        free_port=int(d["port"]) if d.get("port_free") else None,
+    )
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    host: str
+    data: dict | None
+    error: str | None
+
+
+def probe_remote(
+    host: str, argv: Sequence[str], timeout: float, fix: str, run=subprocess.run
+) -> ProbeResult:
+    """Run a probe command (``ssh ... host python -m ddlrun.agent --probe``)."""
+    try:
+        out = run(list(argv), capture_output=True, text=True, timeout=timeout,
+                  stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return ProbeResult(host, None, f"{host}: no answer within --start-timeout {timeout:g}s"
+                           f" ({fix})")
+    except OSError as exc:
+        return ProbeResult(host, None, f"{host}: cannot run {argv[0]!r}: {exc.strerror}")
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return ProbeResult(host, None, f"{host}: unreachable (exit {out.returncode}: {last}) "
+                                       f"({fix})")
+    for line in reversed(out.stdout.splitlines()):
+        with contextlib.suppress(ValueError):
+            data = json.loads(line)
+            if isinstance(data, dict):
+                return ProbeResult(host, data, None)
+    return ProbeResult(host, None, f"{host}: probe printed no result; is powerddl installed "
+                                   "for that python there? (see --remote-python)")
+
+
+def probe_all(
+    hosts: Sequence[str], probe_one: Callable[[str], ProbeResult], parallel: int = 32
+) -> list[ProbeResult]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(parallel, len(hosts) or 1)) as ex:
+        return list(ex.map(probe_one, hosts))
+
+
+def version_table(results: Sequence[ProbeResult]) -> str:
+    header = ["host", "hostname", *VERSION_KEYS, "cores", "gpus"]
+    rows = [header]
+    for r in results:
+        if r.data is None:
+            rows.append([r.host, "(unreachable)", *["-"] * (len(header) - 2)])
+            continue
+        v = r.data.get("versions", {})
+        rows.append([r.host, str(r.data.get("hostname", "")),
+                     *[str(v.get(k, "-")) for k in VERSION_KEYS],
+                     str(r.data.get("cores", "")), str(r.data.get("gpus", ""))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def check(results: Sequence[ProbeResult], iface: str | None = None) -> list[str]:
+    """Problems, one line each (empty: all good). The first host holds the master port."""
+    problems = [r.error for r in results if r.error]
+    ok = [r for r in results if r.data is not None]
+    for key in VERSION_KEYS:
+        seen: dict[str, list[str]] = {}
+        for r in ok:
+            seen.setdefault(str(r.data.get("versions", {}).get(key, "-")), []).append(r.host)
+        if len(seen) > 1:
+            parts = "; ".join(f"{v} on {', '.join(h)}" for v, h in sorted(seen.items()))
+            problems.append(f"{key} version differs between hosts: {parts} "
+                            "(install the same powerddl environment on every host)")
+    if iface:
+        for r in ok:
+            if not r.data.get("address"):
+                problems.append(f"{r.host}: network interface {iface!r} not found or has no "
+                                "IPv4 address (check --network-interface; `ip addr` lists them)")
+    if results and results[0].data is not None and not results[0].data.get("port_free", True):
+        problems.append(f"{results[0].host}: master port {results[0].data.get('port')} is in "
+                        "use; choose another with --master-port")
+    return problems

@@ -1,0 +1,55 @@
+"""``python -m ddlrun.rankenv -- program args``: the per-rank env contract for launchers that
+start ranks themselves (mpirun, srun). Reads the rank from the launcher's variables
+(OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK), the job layout from
+DDLRUN_RANK_HOSTS (host index of every rank, comma-separated) and DDLRUN_HOST_GPUS, sets
+RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, CUDA_VISIBLE_DEVICES,
+OMP_NUM_THREADS (as ddlrun.plan does) and execs the program.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from .plan import HostFacts, rank_env
+
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
+
+
+def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
+    rank = next((int(env[v]) for v in RANK_VARS if env.get(v, "").isdigit()), None)
+    if rank is None:
+        raise SystemExit("ddlrun.rankenv: no rank variable set (" + ", ".join(RANK_VARS) + ")")
+    layout = [int(x) for x in env["DDLRUN_RANK_HOSTS"].split(",")]
+    gpus = [int(x) for x in env.get("DDLRUN_HOST_GPUS", "").split(",") if x]
+    host = layout[rank]
+    local_rank = layout[:rank].count(host)
+    local_size = layout.count(host)
+    facts = HostFacts(cores=cores, gpus=gpus[host] if host < len(gpus) else 0)
+    return rank_env(rank, local_rank, local_size, host, facts, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        print("usage: python -m ddlrun.rankenv -- program [args]", file=sys.stderr)
+        return 2
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    env = dict(os.environ)
+    env.update(compute(env, cores))
+    try:
+        os.execvpe(args[0], args, env)
+    except OSError as exc:
+        print(f"ddlrun.rankenv: cannot run {args[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

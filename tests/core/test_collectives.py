@@ -1,0 +1,59 @@
+"""Every collective against numpy, with real processes on the shared-memory engine."""
+
+import pytest
+
+from .util import reports, run_worker
+
+SMALL_STAGING = dict(DDL_SHM_SLOT_BYTES="64K", DDL_SHM_MAX_BYTES="1M", DDL_SHM_SMALL_BYTES="1K")
+
+
+def _check(results, min_checks=250):
+    reps = reports(results)
+    assert len({r["digest"] for r in reps}) == 1, "ranks got different bytes"
+    assert all(r["checks"] >= min_checks for r in reps)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collectives_match_numpy(n):
+    _check(run_worker("collectives.py", n), 700)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_through_a_tiny_staging_area(n):
+    """Messages many times the staging area go through the chunked pipeline."""
+    _check(run_worker("collectives.py", n, env=SMALL_STAGING), 700)
+
+
+@pytest.mark.slow
+def test_eight_ranks_oversubscribed():
+    _check(run_worker("collectives.py", 8, "0,1,7,1000,65537,300001", timeout=600))
+
+
+@pytest.mark.slow
+def test_weak_memory_order_path():
+    """The release/acquire counters used on POWER and aarch64, exercised here on x86."""
+    _check(run_worker("collectives.py", 3, "0,3,1000,300001",
+                      env=dict(SMALL_STAGING, DDL_SHM_FENCES="1")))
+
+
+@pytest.mark.parametrize("policy", ["spin", "yield", "futex"])
+def test_wait_policies(policy):
+    _check(run_worker("collectives.py", 3, "0,5,70000", env=dict(DDL_SHM_WAIT=policy)))
+
+
+def test_async_handles_complete_in_submission_order():
+    for r in reports(run_worker("async_order.py", 3)):
+        assert r["ok"]
+
+
+def test_torch_tensors():
+    pytest.importorskip("torch")
+    for r in reports(run_worker("torch_tensors.py", 3)):
+        assert r["failed"] == []
+
+
+@pytest.mark.slow
+def test_256_mib_allreduce():
+    results = run_worker("big.py", 2, str(256 << 20), timeout=600)
+    for r in reports(results):
+        assert r["ok"], r

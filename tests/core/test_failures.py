@@ -1,0 +1,98 @@
+"""Dead, stopped and disagreeing ranks make every other rank raise, quickly and clearly."""
+
+import os
+import time
+
+import pytest
+from ddl.engines import segments
+
+from .util import reports, run_worker
+
+
+def _survivors(results, victim):
+    return [r for r in reports([x for x in results if x.rank != victim])]
+
+
+@pytest.mark.parametrize("size", [1000, 3_000_000])
+def test_killed_rank_makes_peers_raise(size):
+    t = time.monotonic()
+    results = run_worker("failures.py", 3, "kill", str(size), env=dict(DDL_TIMEOUT="60"))
+    assert results[2].returncode == -9
+    for r in _survivors(results, 2):
+        assert r["kind"] == "DDLPeerError", r
+        assert "rank 2" in r["msg"] and "died" in r["msg"] and "allreduce" in r["msg"]
+        assert r["took"] < 5, "a dead peer must be noticed long before the timeout"
+        assert r["later"] == "DDLError"
+    assert time.monotonic() - t < 60
+
+
+def test_rank_exiting_with_an_error_makes_peers_raise():
+    results = run_worker("failures.py", 2, "exit", env=dict(DDL_TIMEOUT="60"))
+    assert results[1].returncode == 3
+    r = _survivors(results, 1)[0]
+    assert r["kind"] == "DDLPeerError" and "rank 1" in r["msg"]
+    assert r["took"] < 5
+
+
+def test_stopped_rank_times_out(tmp_path):
+    results = run_worker("failures.py", 3, "stop",
+                         env=dict(DDL_TIMEOUT="1.5", VICTIM_PIDFILE=str(tmp_path / "pid")))
+    for r in _survivors(results, 2):
+        assert r["kind"] == "DDLTimeoutError", r
+        assert "timed out" in r["msg"] and "rank 2" in r["msg"] and "DDL_TIMEOUT" in r["msg"]
+        assert 1.4 < r["took"] < 10
+
+
+def test_mismatched_calls_raise_on_every_rank_and_the_job_goes_on():
+    reps = reports(run_worker("failures.py", 3, "mismatch"))
+    for r in reps:
+        for case, res in r["results"].items():
+            assert res["kind"] == "DDLMismatchError", (r["rank"], case, res)
+            assert "different arguments" in res["msg"]
+            assert res["after"] == 3, f"engine unusable after the {case} mismatch"
+    shape_msg = reps[0]["results"]["shape"]["msg"]
+    assert "3x4" in shape_msg and "2x6" in shape_msg
+
+
+def test_bad_input_is_refused_locally():
+    for r in reports(run_worker("failures.py", 2, "bad_input")):
+        res = r["results"]
+        assert all(v["kind"] == "DDLConfigError" for v in res.values()), res
+        assert "Average is not defined for int32" in res["avg_int"]["msg"]
+        assert "numpy arrays or torch tensors" in res["list"]["msg"]
+        assert "root_rank 2" in res["root"]["msg"]
+        assert r["after"] == 2.0
+
+
+def test_sigkilled_job_leaves_only_what_cleanup_job_removes():
+    """A rank killed before every peer attached leaves the control segment; the launcher's
+    cleanup path (keyed by job id) removes it and any heap segments."""
+    job = "leaktest" + str(os.getpid())
+    name = segments.segment_name(job, 0, "ctl")
+    mm = segments.create(name, 4096)
+    mm.close()
+    heap = segments.segment_name(job, 0, "heap1-0")
+    segments.create(heap, 4096).close()
+    other = segments.segment_name(job + "x", 0, "ctl")
+    segments.create(other, 4096).close()
+    try:
+        assert set(segments.cleanup_job(job)) == {name, heap}
+        assert segments.list_job(job) == []
+        assert segments.list_job(job + "x") == [other]
+    finally:
+        segments.cleanup_job(job + "x")
+
+
+def test_small_dev_shm_fails_with_a_message_naming_the_fix():
+    with pytest.raises(segments.DDLShmError, match="--shm-size"):
+        segments.create("ddl-toolarge-h0-ctl", 1 << 50)
+    assert not os.path.exists("/dev/shm/ddl-toolarge-h0-ctl")
+
+
+def test_two_jobs_with_one_id_are_refused(tmp_path):
+    """A second job that reuses a running job's id gets a clear error, not corruption."""
+    results = run_worker("hold.py", 1, env=dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                                DDL_INIT_TIMEOUT="2"))
+    r = results[0]
+    assert r.returncode != 0
+    assert "did not attach" in r.stderr

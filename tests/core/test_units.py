@@ -1,0 +1,118 @@
+"""Pure logic of the core: option strings, env registry, world, reduction kernel."""
+
+import numpy as np
+import pytest
+from ddl import config, options, topology
+from ddl.dtypes import BY_NAME
+from ddl.errors import DDLConfigError
+from ddl.ops import Average, Max, Min, Product, Sum, check_op, parse_op, reduce_into
+
+
+@pytest.mark.parametrize("text,mode,grid", [
+    ("", "r", None),
+    ("-mode b:4x2", "b", (4, 2)),
+    ("-mode p:4x8x8 -dump_iter 100 -dbg_level 2", "p", (4, 8, 8)),
+    ("-mode n", "n", None),
+    ("-mode r:8", "r", (8,)),
+])
+def test_options_parse(text, mode, grid):
+    o = options.parse(text)
+    assert (o.mode, o.grid) == (mode, grid)
+    assert options.parse(o.to_string()) == o
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("-mode x:4", "unknown mode letter"),
+    ("-mode b:4xa", "positive integers"),
+    ("-mode b:0x2", ">= 1"),
+    ("-mode", "needs a value"),
+    ("-dump_iter -1", ">= 0"),
+    ("-dbg_level 3", "in 0..2"),
+    ("-frobnicate 1", "unknown option"),
+    ("-mode 'b:4", "DDL_OPTIONS"),
+])
+def test_options_errors(text, msg):
+    with pytest.raises(DDLConfigError, match=msg):
+        options.parse(text)
+
+
+def test_grid_must_match_world():
+    options.check_grid(options.parse("-mode b:4x2"), 8)
+    with pytest.raises(DDLConfigError, match="describes 8 ranks but the job has 6"):
+        options.check_grid(options.parse("-mode b:4x2"), 6)
+
+
+def test_config_parses_and_names_bad_values():
+    env = {"DDL_SHM_SLOT_BYTES": "2M", "DDL_TIMEOUT": "2.5", "DDL_SHM_FENCES": "1"}
+    assert config.get("DDL_SHM_SLOT_BYTES", env) == 2 << 20
+    assert config.get("DDL_TIMEOUT", env) == 2.5
+    assert config.get("DDL_SHM_FENCES", env) is True
+    assert config.get("DDL_SHM_FENCES", {}) is None
+    with pytest.raises(DDLConfigError, match="DDL_SHM_WAIT='busy' is invalid"):
+        config.get("DDL_SHM_WAIT", {"DDL_SHM_WAIT": "busy"})
+    with pytest.raises(DDLConfigError, match="DDL_TIMEOUT"):
+        config.get("DDL_TIMEOUT", {"DDL_TIMEOUT": "soon"})
+    names = [n for n, _, _ in config.describe()]
+    assert len(names) == len(set(names)) and "DDL_OPTIONS" in names
+
+
+def test_world_from_env():
+    w = topology.world_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                 "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                                 "DDL_JOB_ID": "j1"})
+    assert (w.rank, w.size, w.local_rank, w.local_size, w.cross_rank, w.cross_size) == (
+        3, 4, 1, 2, 1, 2)
+    alone = topology.world_from_env({})
+    assert (alone.rank, alone.size, alone.local_size) == (0, 1, 1)
+    a = topology.world_from_env({"WORLD_SIZE": "2", "MASTER_PORT": "1234"})
+    b = topology.world_from_env({"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "1234"})
+    assert a.job_id == b.job_id != topology.world_from_env({"WORLD_SIZE": "2"}).job_id
+
+
+@pytest.mark.parametrize("env,msg", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is outside"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "5"}, "LOCAL_WORLD_SIZE=5"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "2"}, "LOCAL_RANK=2"),
+    ({"RANK": "one"}, "RANK='one' is invalid"),
+])
+def test_world_errors(env, msg):
+    with pytest.raises(DDLConfigError, match=msg):
+        topology.world_from_env(env)
+
+
+def test_ops_parse_and_check():
+    assert parse_op("sum") is Sum and parse_op(2) is Average and parse_op(Max) is Max
+    with pytest.raises(DDLConfigError):
+        parse_op("median")
+    check_op(Average, BY_NAME["float16"])
+    check_op(Product, BY_NAME["complex64"])
+    with pytest.raises(DDLConfigError, match="Average is not defined for int64"):
+        check_op(Average, BY_NAME["int64"])
+    with pytest.raises(DDLConfigError, match="Min is not defined for complex"):
+        check_op(Min, BY_NAME["complex128"])
+
+
+def test_reduce_into_aliases_first_term():
+    a = np.array([1, 5, 3], np.int32)
+    b = np.array([4, 2, 6], np.int32)
+    reduce_into(a, [a, b, b], Sum, BY_NAME["int32"])
+    assert a.tolist() == [9, 9, 15]
+    f = np.array([1.0, 2.0], np.float32)
+    reduce_into(f, [f, np.array([3.0, 4.0], np.float32)], Average, BY_NAME["float32"], 2)
+    assert f.tolist() == [2.0, 3.0]
+
+
+def test_bfloat16_matches_torch_rounding():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(10_000, generator=g).to(torch.bfloat16) for _ in range(3)]
+    bits = [x.view(torch.int16).numpy().view(np.uint16) for x in xs]
+    out = np.empty(10_000, np.uint16)
+    reduce_into(out, bits, Sum, BY_NAME["bfloat16"])
+    want = (xs[0].float() + xs[1].float() + xs[2].float()).to(torch.bfloat16)
+    assert np.array_equal(out, want.view(torch.int16).numpy().view(np.uint16))
+    nan = torch.tensor([float("nan"), 1.0]).to(torch.bfloat16).view(torch.int16).numpy()
+    reduce_into(out[:2], [nan.view(np.uint16)] * 2, Max, BY_NAME["bfloat16"])
+    back = torch.from_numpy(out[:2].view(np.int16)).view(torch.bfloat16)
+    assert torch.isnan(back[0]) and back[1] == 1.0

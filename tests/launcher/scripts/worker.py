@@ -1,0 +1,60 @@
+"""Test worker for ddlrun: behaviour chosen by argv[1]; argv[2] is a marker the tests use to
+find leftover processes. Never busy-loops."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "DDL_OPTIONS", "DDL_JOB_ID", "DDL_HOST_INDEX",
+            "DDL_HOSTS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+            "FROM_X", "FROM_X_VAL")
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    if mode == "env":
+        print(json.dumps({k: os.environ.get(k) for k in CONTRACT}), flush=True)
+        return 0
+    if mode == "fail":  # fail <marker> <rank> <code>
+        if rank == int(sys.argv[3]):
+            time.sleep(0.5)
+            print(f"rank {rank} about to fail", flush=True)
+            print("some error detail", file=sys.stderr, flush=True)
+            code = int(sys.argv[4])
+            if code < 0:
+                os.kill(os.getpid(), -code)
+            return code
+        print("ready", flush=True)
+        time.sleep(60)
+        return 0
+    if mode == "sleep":
+        print("ready", flush=True)
+        time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 60)
+        return 0
+    if mode == "spam":
+        for i in range(int(sys.argv[3])):
+            print(f"{rank}:{i}:" + "x" * 2000, flush=False)
+        return 0
+    if mode == "shm":  # shm <marker> <failing rank>: create the job's segment, fail or sleep
+        path = f"/dev/shm/ddl-{os.environ['DDL_JOB_ID']}-h{os.environ['DDL_HOST_INDEX']}-r{rank}"
+        with open(path, "wb") as f:
+            f.write(b"x")
+        print("ready", flush=True)
+        if rank == int(sys.argv[3]):
+            return 3
+        time.sleep(60)
+        return 0
+    if mode == "grandchild":  # leave a child in our session, then fail
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", sys.argv[2]])
+        print("ready", flush=True)
+        time.sleep(0.5 if rank == 0 else 60)
+        return 5 if rank == 0 else 0
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

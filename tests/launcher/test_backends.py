@@ -1,0 +1,101 @@
+"""Backends build argv lists; tests assert on them without launching anything."""
+
+import shlex
+
+import pytest
+from ddlrun.backends import LaunchOptions, get_backend
+from ddlrun.backends.mpirun import parse_mpiargs
+from ddlrun.errors import UsageError
+from ddlrun.hosts import HostSpec
+from ddlrun.plan import Request, make_plan
+
+
+def plan(hosts=(("a", 2), ("b", 2))):
+    req = Request(("python", "t.py", "--x", "a b"), tuple(HostSpec(n, s) for n, s in hosts))
+    return make_plan(req, {}, "j1", 29500, {})
+
+
+def test_ssh_command_is_argv_with_options_and_end_of_options():
+    opts = LaunchOptions(ssh_port=2222, ssh_identity="/k/id", ssh_config="/k/cfg",
+                         remote_python="/opt/py/bin/python", start_timeout=7)
+    b = get_backend("ssh", opts)
+    cmd = b.get_cmd(HostSpec("node1", 2, "alice"))
+    assert cmd[:2] == ["ssh", "-T"]
+    assert "ConnectTimeout=7" in cmd and "BatchMode=yes" in cmd
+    i = cmd.index("--")
+    assert cmd[i + 1] == "node1"
+    assert cmd[cmd.index("-p") + 1] == "2222" and cmd[cmd.index("-i") + 1] == "/k/id"
+    assert cmd[cmd.index("-F") + 1] == "/k/cfg" and cmd[cmd.index("-l") + 1] == "alice"
+    assert shlex.split(cmd[-1]) == ["/opt/py/bin/python", "-m", "ddlrun.agent"]
+    probe = b.probe_cmd(HostSpec("node1"), 29500, "eth0")
+    assert shlex.split(probe[-1])[-5:] == ["--probe", "--port", "29500", "--iface", "eth0"]
+
+
+def test_ssh_spec_carries_argv_and_env_not_the_command_line():
+    b = get_backend("ssh", LaunchOptions())
+    p = plan()
+    spec = b.spec(p, p.hosts[1])
+    assert spec["host_index"] == 1 and spec["job_id"] == "j1"
+    assert [r["rank"] for r in spec["ranks"]] == [2, 3]
+    assert spec["ranks"][0]["argv"] == ["python", "t.py", "--x", "a b"]
+    assert spec["ranks"][0]["env"]["LOCAL_RANK"] == "0"
+    assert all("MASTER_PORT" not in " ".join(c) for c in b.commands(p))
+
+
+@pytest.mark.parametrize("field", ["ssh_identity", "ssh_config", "remote_python"])
+def test_paths_with_spaces_or_dashes_are_rejected(field):
+    for bad in ("-oProxyCommand=x", "/a b/c"):
+        b = get_backend("ssh", LaunchOptions(**{field: bad}))
+        with pytest.raises(UsageError):
+            b.get_cmd(HostSpec("h"))
+
+
+def test_mpirun_command_line():
+    opts = LaunchOptions(ssh_port=2222, ssh_config="/k/cfg", is_root=True,
+                         network_interface="ddl0", mpiargs=parse_mpiargs(["--mca foo 'x y'"]),
+                         remote_python="/py")
+    b = get_backend("mpirun", opts)
+    cmd = b.get_cmd(plan(), "/tmp/rf")
+    s = " ".join(cmd)
+    assert cmd[0].endswith("mpirun") and cmd[1:5] == ["-np", "4", "--host", "a:2,b:2"]
+    assert "--map-by rankfile:file=/tmp/rf" in s and "--bind-to none" in s
+    assert "--allow-run-as-root" in cmd
+    assert "--prtemca plm_ssh_args" in s and "-F /k/cfg -p 2222" in s
+    assert "--prtemca oob_tcp_if_include ddl0" in s and "btl_tcp_if_include ddl0" in s
+    assert "--mca pml ob1 --mca btl tcp,sm,self" in s
+    assert cmd[cmd.index("foo") + 1] == "x y"
+    assert "-x MASTER_ADDR" in s and "-x DDLRUN_RANK_HOSTS" in s and "29500" not in s
+    assert cmd[cmd.index("ddlrun.rankenv") + 1:] == ["--", "python", "t.py", "--x", "a b"]
+    assert "--allow-run-as-root" not in get_backend("mpirun", LaunchOptions()).get_cmd(plan())
+    assert b.job_env(plan())["DDLRUN_RANK_HOSTS"] == "0,0,1,1"
+    with pytest.raises(UsageError):
+        parse_mpiargs(["'unterminated"])
+
+
+def test_slurm_and_lsf_commands():
+    cmd = get_backend("slurm", LaunchOptions(remote_python="/py")).get_cmd(plan())
+    assert cmd[0] == "srun" and "--ntasks=4" in cmd and "--nodes=2" in cmd
+    assert "--ntasks-per-node=2" in cmd and "--kill-on-bad-exit=1" in cmd
+    assert "--nodelist=a,b" in cmd and "--label" in cmd
+    assert cmd[-6:] == ["ddlrun.rankenv", "--", "python", "t.py", "--x", "a b"]
+    lsf = get_backend("lsf", LaunchOptions(remote_python="/py"))
+    assert lsf.get_cmd(HostSpec("hB", 2)) == ["blaunch", "-no-shell", "hB", "/py", "-m",
+                                              "ddlrun.agent"]
+
+
+def test_unknown_backend():
+    with pytest.raises(UsageError, match="choose from"):
+        get_backend("pbs", LaunchOptions())
+
+
+def test_rankenv_computes_contract_from_layout():
+    from ddlrun.rankenv import compute
+
+    env = {"OMPI_COMM_WORLD_RANK": "3", "DDLRUN_RANK_HOSTS": "0,0,1,1",
+           "DDLRUN_HOST_GPUS": "0,2"}
+    got = compute(env, cores=8)
+    assert got["RANK"] == "3" and got["LOCAL_RANK"] == "1" and got["GROUP_RANK"] == "1"
+    assert got["LOCAL_WORLD_SIZE"] == "2" and got["CUDA_VISIBLE_DEVICES"] == "1"
+    assert got["OMP_NUM_THREADS"] == "4"
+    got = compute({"SLURM_PROCID": "0", "DDLRUN_RANK_HOSTS": "0", "OMP_NUM_THREADS": "2"}, 8)
+    assert "OMP_NUM_THREADS" not in got and "CUDA_VISIBLE_DEVICES" not in got

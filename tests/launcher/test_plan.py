@@ -1,0 +1,131 @@
+"""Planning is pure: placement, env contract, DDL_OPTIONS, rankfile."""
+
+import pytest
+from ddlrun.errors import UsageError
+from ddlrun.hosts import HostSpec
+from ddlrun.plan import (
+    HostFacts,
+    Request,
+    assign,
+    cuda_devices,
+    describe,
+    grid,
+    make_plan,
+    parse_rankfile,
+    rankfile_lines,
+)
+
+PROG = ("python", "train.py")
+
+
+def hosts(*spec):
+    return tuple(HostSpec(n, s) for n, s in spec)
+
+
+def plan_of(req, facts=None, environ=None):
+    return make_plan(req, facts or {}, "job_1", 29500, environ or {})
+
+
+def test_fill_host_by_host_and_not_enough_slots_message():
+    req = Request(PROG, hosts(("a", 2), ("b", 2)), nproc=3)
+    assert assign(req, {}) == [(0, 0), (0, 1), (1, 0)]
+    with pytest.raises(UsageError, match=r"asked for 5 ranks .* only 4 slots \(a:2, b:2\)"):
+        assign(Request(PROG, hosts(("a", 2), ("b", 2)), nproc=5), {})
+
+
+def test_slot_defaults_accelerators_gpus_nproc():
+    two = hosts(("a", None), ("b", None))
+    assert len(assign(Request(PROG, two), {})) == 2  # one per host
+    assert len(assign(Request(PROG, two), {"a": HostFacts(gpus=4), "b": HostFacts(gpus=4)})) == 8
+    assert len(assign(Request(PROG, two, accelerators=3), {})) == 6
+    assert len(assign(Request(PROG, hosts(("localhost", None)), nproc=5), {})) == 5
+
+
+def test_env_contract_for_every_rank():
+    facts = {"a": HostFacts(cores=8, gpus=2), "b": HostFacts(cores=8, gpus=2)}
+    p = plan_of(Request(PROG, hosts(("a", 2), ("b", 2))), facts)
+    assert p.world_size == 4 and p.master_addr == "a" and p.ddl_options == "-mode p:2x2"
+    envs = [r.env_dict() for r in p.ranks]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    assert [e["DDL_HOST_INDEX"] for e in envs] == ["0", "0", "1", "1"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "0", "1"]
+    for e in envs:
+        assert e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["MASTER_ADDR"] == "a" and e["MASTER_PORT"] == "29500"
+        assert e["DDL_JOB_ID"] == "job_1" and e["DDL_HOSTS"] == "a,b"
+        assert e["OMP_NUM_THREADS"] == "4"
+    assert all(r.argv == PROG for r in p.ranks)
+
+
+def test_no_gpus_no_cuda_visible_devices_and_user_omp_wins():
+    req = Request(PROG, hosts(("localhost", 2)), env=(("OMP_NUM_THREADS", "3"), ("FOO", None)))
+    p = plan_of(req, {"localhost": HostFacts(cores=2)}, {"FOO": "bar"})
+    for r in p.ranks:
+        e = r.env_dict()
+        assert "CUDA_VISIBLE_DEVICES" not in e
+        assert e["OMP_NUM_THREADS"] == "3" and e["FOO"] == "bar"
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+    p = plan_of(Request(PROG, hosts(("localhost", 2))), {}, {"OMP_NUM_THREADS": "7"})
+    assert all("OMP_NUM_THREADS" not in r.env_dict() for r in p.ranks)  # inherited as is
+
+
+def test_cuda_devices_split():
+    assert [cuda_devices(i, 2, 4) for i in range(2)] == ["0,1", "2,3"]
+    assert [cuda_devices(i, 3, 2) for i in range(3)] == ["0", "1", "0"]
+    assert cuda_devices(0, 1, 0) is None
+
+
+def test_ddl_options_grid_racks_aisles_mode_and_opt_out():
+    eight = hosts(*[(f"h{i}", 4) for i in range(8)])
+    assert plan_of(Request(PROG, eight)).ddl_options == "-mode p:4x8"
+    assert plan_of(Request(PROG, eight, racks=2, mode="b")).ddl_options == "-mode b:4x4x2"
+    assert plan_of(Request(PROG, eight, racks=4, aisles=2)).ddl_options == "-mode p:4x2x2x2"
+    req = Request(PROG, eight, mode="r:32", ddloptions=("-dump_iter 10", "-dbg_level 1"))
+    assert plan_of(req).ddl_options == "-mode r:32 -dump_iter 10 -dbg_level 1"
+    assert plan_of(Request(PROG, eight, no_ddloptions=True)).ddl_options is None
+    assert "DDL_OPTIONS" not in plan_of(Request(PROG, eight, no_ddloptions=True)).ranks[0].env
+    uneven = hosts(("a", 3), ("b", 1))
+    assert plan_of(Request(PROG, uneven)).ddl_options == "-mode p:4"
+    for bad in (dict(mode="x"), dict(mode="b:4x4"), dict(racks=3)):
+        with pytest.raises(UsageError):
+            plan_of(Request(PROG, eight, **bad))
+    assert grid(1, 2, None, None) == [2] and grid(1, 1, None, None) == [1]
+
+
+def test_network_interface_and_tcp_env():
+    req = Request(PROG, hosts(("a", 1), ("b", 1)), network_interface="eth1", tcp=True)
+    p = plan_of(req, {"a": HostFacts(address="10.0.0.1")})
+    e = p.ranks[1].env_dict()
+    assert e["MASTER_ADDR"] == "10.0.0.1"
+    assert e["GLOO_SOCKET_IFNAME"] == "eth1" == e["NCCL_SOCKET_IFNAME"]
+    assert e["NCCL_IB_DISABLE"] == "1"
+
+
+def test_rankfile_roundtrip_and_user_rankfile_placement():
+    p = plan_of(Request(PROG, hosts(("a", 2), ("b", 2))))
+    lines = rankfile_lines(p, {"a": 1, "b": 8})
+    assert lines == ["rank 0=a slot=0", "rank 1=a slot=0", "rank 2=b slot=0", "rank 3=b slot=1"]
+    placed = parse_rankfile(["# mine", "rank 0=b slot=0", "rank 1=a slot=1", "rank 2=b slot=1"])
+    p = plan_of(Request(PROG, hosts(("a", None), ("b", None)), rankfile=placed))
+    assert [(r.rank, r.host, r.local_rank) for r in p.ranks] == [(1, "a", 0), (0, "b", 0),
+                                                                 (2, "b", 1)]
+    assert p.layout == (1, 0, 1)
+    with pytest.raises(UsageError, match="rankfile:2"):
+        parse_rankfile(["rank 0=a", "rank 1=a;rm"])
+    with pytest.raises(UsageError, match="not in the hosts"):
+        plan_of(Request(PROG, hosts(("a", None)), rankfile=((0, "z"),)))
+
+
+def test_plan_validation():
+    with pytest.raises(UsageError, match="job id"):
+        make_plan(Request(PROG, hosts(("a", 1))), {}, "bad/id", 29500, {})
+    with pytest.raises(UsageError, match="master-port"):
+        make_plan(Request(PROG, hosts(("a", 1))), {}, "j", 70000, {})
+    with pytest.raises(UsageError, match="-x"):
+        plan_of(Request(PROG, hosts(("a", 1)), env=(("A B", "1"),)))
+    with pytest.raises(UsageError, match="no program"):
+        plan_of(Request((), hosts(("a", 1))))
+    text = describe(plan_of(Request(PROG, hosts(("a", 1), ("b", 1)))))
+    assert "host 1 b: ranks 1" in text and "[1] DDL_HOST_INDEX=1" in text
