@@ -6,8 +6,9 @@
 Every rank contributes ``rank + 1``; the sum over ranks must be ``n (n + 1) / 2``.
 """
 
-import ddl
 import numpy as np
+
+import ddl
 
 
 def main() -> int:

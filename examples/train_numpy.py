@@ -16,8 +16,9 @@ import argparse
 import json
 import time
 
-import ddl
 import numpy as np
+
+import ddl
 
 
 def make_data(n: int, dim: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 
 import pytest
 
@@ -18,7 +19,11 @@ def no_leaked_segments():
     """Every test must leave /dev/shm as it found it."""
     before = ddl_segments()
     yield
-    leaked = ddl_segments() - before
+    # Another job on this machine (a second test run, a benchmark) may own new segments
+    # for a moment: only what stays is a leak.
+    deadline = time.monotonic() + 3
+    while (leaked := ddl_segments() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
 
 

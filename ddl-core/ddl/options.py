@@ -39,14 +39,19 @@ class Options:
 
 
 def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None]:
-    letter, _, dims = text.partition(":")
-    if letter not in MODES:
+    """``b:4x2`` -> ("b", (4, 2)). One letter applies to every dimension; several letters
+    give one per dimension, innermost first (``rb:4x2``: ring in the host, best across)."""
+    letters, _, dims = text.partition(":")
+    bad = [c for c in letters if c not in MODES] or ([] if letters else [""])
+    if bad:
         raise DDLConfigError(
-            f"-mode {text!r}: unknown mode letter {letter!r}; use one of "
+            f"-mode {text!r}: unknown mode letter {bad[0]!r}; use one of "
             + ", ".join(f"{k} ({v})" for k, v in MODES.items())
         )
     if not dims:
-        return letter, None
+        if len(letters) > 1:
+            raise DDLConfigError(f"-mode {text!r}: one letter per dimension needs a grid")
+        return letters, None
     try:
         grid = tuple(int(d) for d in dims.lower().split("x"))
     except ValueError:
@@ -55,7 +60,12 @@ def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None]:
         ) from None
     if not grid or any(d < 1 for d in grid):
         raise DDLConfigError(f"-mode {text!r}: every grid dimension must be >= 1")
-    return letter, grid
+    if len(letters) not in (1, len(grid)):
+        raise DDLConfigError(
+            f"-mode {text!r}: {len(letters)} mode letters for {len(grid)} dimensions "
+            "(give one letter, or one per dimension)"
+        )
+    return letters, grid
 
 
 def _int_arg(flag: str, value: str, lo: int, hi: int | None = None) -> int:

@@ -4,6 +4,7 @@ import os
 import time
 
 import pytest
+
 from ddl.engines import segments
 
 from .util import reports, run_worker

@@ -4,6 +4,7 @@ import gc
 
 import numpy as np
 import pytest
+
 from ddl.engines import segments
 from ddl.engines.heap import Heap, decode
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from ddl import config, options, topology
 from ddl.dtypes import BY_NAME
 from ddl.errors import DDLConfigError
@@ -14,6 +15,7 @@ from ddl.ops import Average, Max, Min, Product, Sum, check_op, parse_op, reduce_
     ("-mode p:4x8x8 -dump_iter 100 -dbg_level 2", "p", (4, 8, 8)),
     ("-mode n", "n", None),
     ("-mode r:8", "r", (8,)),
+    ("-mode rb:4x2", "rb", (4, 2)),
 ])
 def test_options_parse(text, mode, grid):
     o = options.parse(text)
@@ -25,6 +27,8 @@ def test_options_parse(text, mode, grid):
     ("-mode x:4", "unknown mode letter"),
     ("-mode b:4xa", "positive integers"),
     ("-mode b:0x2", ">= 1"),
+    ("-mode rbn:4x2", "3 mode letters for 2 dimensions"),
+    ("-mode rb", "needs a grid"),
     ("-mode", "needs a value"),
     ("-dump_iter -1", ">= 0"),
     ("-dbg_level 3", "in 0..2"),

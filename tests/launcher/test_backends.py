@@ -3,6 +3,7 @@
 import shlex
 
 import pytest
+
 from ddlrun.backends import LaunchOptions, get_backend
 from ddlrun.backends.mpirun import parse_mpiargs
 from ddlrun.errors import UsageError

@@ -3,9 +3,10 @@
 import json
 
 import pytest
+from ddlrun_testlib import PY, WORKER, run_ddlrun
+
 from ddlrun.cli import build_parser, config_from_args
 from ddlrun.errors import UsageError
-from ddlrun_testlib import PY, WORKER, run_ddlrun
 
 
 def cfg(*argv, environ=None):

@@ -1,6 +1,7 @@
 """Host lists, hostfiles, Slurm node lists, LSF variables, and validation."""
 
 import pytest
+
 from ddlrun.errors import UsageError
 from ddlrun.hosts import (
     HostSpec,

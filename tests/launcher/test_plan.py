@@ -1,6 +1,7 @@
 """Planning is pure: placement, env contract, DDL_OPTIONS, rankfile."""
 
 import pytest
+
 from ddlrun.errors import UsageError
 from ddlrun.hosts import HostSpec
 from ddlrun.plan import (

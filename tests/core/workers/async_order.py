@@ -2,8 +2,9 @@
 
 import json
 
-import ddl
 import numpy as np
+
+import ddl
 
 ddl.init()
 R, N = ddl.rank(), ddl.size()

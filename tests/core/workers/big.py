@@ -3,8 +3,9 @@
 import json
 import sys
 
-import ddl
 import numpy as np
+
+import ddl
 
 ddl.init()
 R, N = ddl.rank(), ddl.size()

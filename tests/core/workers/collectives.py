@@ -10,8 +10,9 @@ import hashlib
 import json
 import sys
 
-import ddl
 import numpy as np
+
+import ddl
 
 ddl.init()
 R, N = ddl.rank(), ddl.size()

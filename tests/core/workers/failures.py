@@ -6,8 +6,9 @@ import signal
 import sys
 import time
 
-import ddl
 import numpy as np
+
+import ddl
 
 scenario = sys.argv[1]
 ddl.init()

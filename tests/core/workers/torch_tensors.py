@@ -2,8 +2,9 @@
 
 import json
 
-import ddl
 import torch
+
+import ddl
 
 ddl.init()
 R, N = ddl.rank(), ddl.size()
