@@ -38,9 +38,15 @@ def test_rank_exiting_with_an_error_makes_peers_raise():
 def test_stopped_rank_times_out(tmp_path):
     results = run_worker("failures.py", 3, "stop",
                          env=dict(DDL_TIMEOUT="1.5", VICTIM_PIDFILE=str(tmp_path / "pid")))
-    for r in _survivors(results, 2):
-        assert r["kind"] == "DDLTimeoutError", r
+    survivors = _survivors(results, 2)
+    # A survivor waits either on the stopped rank (and times out) or on the other survivor,
+    # whose timeout turns into an abort it sees at once.
+    timed_out = [r for r in survivors if r["kind"] == "DDLTimeoutError"]
+    assert timed_out, survivors
+    for r in timed_out:
         assert "timed out" in r["msg"] and "rank 2" in r["msg"] and "DDL_TIMEOUT" in r["msg"]
+    for r in survivors:
+        assert r["kind"] in ("DDLTimeoutError", "DDLPeerError"), r
         assert 1.4 < r["took"] < 10
 
 

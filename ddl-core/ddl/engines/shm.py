@@ -581,21 +581,27 @@ class ShmEngine:
         isz = dt.itemsize
         what = (_COLL_NAMES[coll], dt.name, N, op)
         gather = coll == ALLREDUCE
-        # Step 1: metadata only: shapes are checked and buffer locations exchanged before
-        # anything depends on them.
+        elems = self.slot_bytes // isz
+        c = elems // (n + 1)  # per-rank share of a chunk when staged
+        if c >= 64:
+            c -= c % 64
+        starts = [0] * n
+        for j in range(1, n):
+            starts[j] = starts[j - 1] + counts[j - 1]
+        # Step 1 stages chunk 0 (if our input is private) and carries the metadata: shapes
+        # are checked and buffer locations exchanged before anything else depends on them.
         s = self._seq + 1
         p = s & 1
         in_loc = self.heap.locate(src)
         out_loc = self.heap.locate(dst) if gather else 0
+        if not in_loc:
+            self._stage_inputs(src, p, 0, c, counts, starts, st, isz)
         self._write_meta(p, _key(coll, op), dt, N, shape, 0, in_loc, out_loc)
         self._arrive(s)
         self._wait_all(s, what)
         self._check_meta(p, _SPAN_REDUCE, what)
         locs_in = [self._meta(i, p, M_IN) for i in range(n)]
         locs_out = [self._meta(i, p, M_OUT) for i in range(n)]
-        starts = [0] * n
-        for j in range(1, n):
-            starts[j] = starts[j - 1] + counts[j - 1]
         in_views: list[np.ndarray | None] = [None] * n
         out_views: list[np.ndarray | None] = [None] * n
         for i in self._peers:
@@ -604,13 +610,8 @@ class ShmEngine:
             if gather and locs_out[i]:
                 out_views[i] = self._peer_heaps.view(i, locs_out[i], N * isz, st)
         need_res = gather and not all(locs_out)
-        elems = self.slot_bytes // isz
         if all(locs_in) and (not gather or all(locs_out)):
-            c = max(1, max(counts))  # nothing is staged: one chunk
-        else:
-            c = elems // (n + 1)
-            if c >= 64:
-                c -= c % 64
+            c = max(1, max(counts))  # nothing is staged: one chunk, reduced block by block
         K = -(-max(counts) // c) if max(counts) else 0
         blk = max(1, self.block_bytes // isz)
         own_in_private = locs_in[r] == 0
@@ -618,20 +619,13 @@ class ShmEngine:
         rc = counts[r]
         extra = 0 if gather or not any(locs_in) else 1  # peers may read our heap to the end
         for t in range(K + (1 if gather else 0) + extra):
-            s += 1
-            p = s & 1
-            if t < K and own_in_private:
-                mine = self._slots[p][r]
-                for j in self._peers:
-                    a = t * c
-                    ln = min(counts[j] - a, c)
-                    if ln > 0:
-                        np.copyto(
-                            mine[j * c * isz : (j * c + ln) * isz].view(st),
-                            src[starts[j] + a : starts[j] + a + ln],
-                        )
-            self._arrive(s)
-            self._wait_all(s, what)
+            if t:  # step 1 above was chunk 0's synchronisation
+                s += 1
+                p = s & 1
+                if t < K and own_in_private:
+                    self._stage_inputs(src, p, t, c, counts, starts, st, isz)
+                self._arrive(s)
+                self._wait_all(s, what)
             if gather and t >= 1 and own_out_private:
                 a = (t - 1) * c
                 for j in self._peers:
@@ -663,6 +657,16 @@ class ShmEngine:
                         for j in self._peers:
                             if out_views[j] is not None:
                                 np.copyto(out_views[j][lo:hi], out)
+
+    def _stage_inputs(self, src, p: int, t: int, c: int, counts, starts, st, isz) -> None:
+        """Copy chunk t of every part but ours into our slot, where its reducer reads it."""
+        mine = self._slots[p][self.rank]
+        a = t * c
+        for j in self._peers:
+            ln = min(counts[j] - a, c)
+            if ln > 0:
+                np.copyto(mine[j * c * isz : (j * c + ln) * isz].view(st),
+                          src[starts[j] + a : starts[j] + a + ln])
 
     def allgather(self, src: np.ndarray, dt: DType, row_shape: tuple[int, ...],
                   alloc: Callable[[list[int]], np.ndarray]) -> np.ndarray:
