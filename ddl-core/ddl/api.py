@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, options, tensors
+from . import config, grid, options, tensors
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError
 from .ops import Average, ReduceOp, check_op, parse_op
@@ -39,33 +39,43 @@ def init() -> None:
         world = world_from_env()
         opts = options.parse(config.get("DDL_OPTIONS"))
         options.check_grid(opts, world.size)
-        if world.size == 1:
-            engine = LocalEngine()
-        elif world.local_size != world.size:
-            raise DDLError(
-                f"rank {world.rank}: this ddl build runs collectives among the ranks of one "
-                f"host, but the job spans {world.num_hosts} hosts (WORLD_SIZE={world.size}, "
-                f"LOCAL_WORLD_SIZE={world.local_size}); cross-host engines are not available yet"
-            )
-        else:
-            from .engines.shm import ShmEngine
-
-            engine = ShmEngine(
-                job_id=world.job_id,
-                host_index=world.host_index,
-                local_rank=world.local_rank,
-                local_size=world.local_size,
-                global_rank=world.rank,
-                timeout=config.get("DDL_TIMEOUT"),
-                init_timeout=config.get("DDL_INIT_TIMEOUT"),
-                slot_bytes=config.get("DDL_SHM_SLOT_BYTES"),
-                max_bytes=config.get("DDL_SHM_MAX_BYTES"),
-                small_bytes=config.get("DDL_SHM_SMALL_BYTES"),
-                wait_policy=config.get("DDL_SHM_WAIT"),
-                heap_bytes=config.get("DDL_SHM_HEAP_BYTES"),
-                fences=config.get("DDL_SHM_FENCES"),
-            )
+        engine = _make_engine(world, opts)
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
+
+
+def _shm_kwargs() -> dict:
+    return dict(
+        init_timeout=config.get("DDL_INIT_TIMEOUT"),
+        slot_bytes=config.get("DDL_SHM_SLOT_BYTES"),
+        max_bytes=config.get("DDL_SHM_MAX_BYTES"),
+        small_bytes=config.get("DDL_SHM_SMALL_BYTES"),
+        wait_policy=config.get("DDL_SHM_WAIT"),
+        heap_bytes=config.get("DDL_SHM_HEAP_BYTES"),
+        fences=config.get("DDL_SHM_FENCES"),
+    )
+
+
+def _make_engine(world: World, opts: options.Options):
+    """Local for one rank; the shared-memory engine when every rank is on this host (any
+    grid inside one host is the same set of ranks); otherwise the multi-dimensional engine
+    over shared memory inside hosts and Gloo across them."""
+    if world.size == 1:
+        return LocalEngine()
+    g = grid.plan(world.rank, world.size, world.local_size, opts)
+    if world.local_size == world.size and all(d.intra_host for d in g.dims):
+        from .engines.shm import ShmEngine
+
+        return ShmEngine(job_id=world.job_id, host_index=world.host_index,
+                         local_rank=world.local_rank, local_size=world.local_size,
+                         global_rank=world.rank, timeout=config.get("DDL_TIMEOUT"),
+                         **_shm_kwargs())
+    from .engines.multihost import MultiHostEngine
+
+    port = config.get("DDL_PORT") or config.get("MASTER_PORT") + 1
+    return MultiHostEngine(world, opts, addr=config.get("MASTER_ADDR"), port=port,
+                           timeout=config.get("DDL_TIMEOUT"),
+                           chunk_bytes=config.get("DDL_CHUNK_BYTES"),
+                           shm_kwargs=_shm_kwargs())
 
 
 def shutdown() -> None:

@@ -133,7 +133,20 @@ _VARS = [
         "use release/acquire counters (libatomic) in the shared-memory engine; default: "
         "only on weakly ordered CPUs (POWER, aarch64), where they are required",
     ),
-    EnvVar("DDL_DEBUG", _bool, False, "log engine decisions to stderr"),
+    EnvVar(
+        "DDL_PORT",
+        int,
+        None,
+        "port of ddl's own rendezvous (a TCP store on rank 0 at MASTER_ADDR) for the "
+        "cross-host engines (default: MASTER_PORT + 1, so torch's own group keeps MASTER_PORT)",
+    ),
+    EnvVar(
+        "DDL_CHUNK_BYTES",
+        _size,
+        4 << 20,
+        "chunk size of the multi-dimensional allreduce pipeline: chunk i+1's intra-host "
+        "work overlaps chunk i's transfer across hosts",
+    ),
 ]
 
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}

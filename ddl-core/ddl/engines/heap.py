@@ -48,8 +48,10 @@ def decode(loc: int) -> tuple[int, int]:
 class Heap:
     """This rank's shared heap."""
 
-    def __init__(self, job_id: str, host_index: int, local_rank: int, segment_bytes: int):
+    def __init__(self, job_id: str, host_index: int, local_rank: int, segment_bytes: int,
+                 scope: str = ""):
         self._job = job_id
+        self._scope = scope
         self._host = host_index
         self._lr = local_rank
         self._segment_bytes = max(segment_bytes, 1 << 20)
@@ -58,7 +60,7 @@ class Heap:
     def _new_segment(self, at_least: int) -> int:
         k = len(self._segs)
         size = max(self._segment_bytes, -(-at_least // mmap.PAGESIZE) * mmap.PAGESIZE)
-        name = segments.segment_name(self._job, self._host, f"heap{self._lr}-{k}")
+        name = segments.segment_name(self._job, self._host, f"{self._scope}heap{self._lr}-{k}")
         mm = segments.create(name, size)
         u8 = np.frombuffer(mm, dtype=np.uint8)
         self._segs.append(_Segment(name, mm, u8, _base(u8), size, [(0, size)]))
@@ -134,8 +136,9 @@ class Heap:
 class PeerHeaps:
     """Read-write views into the heaps of the other ranks on this host."""
 
-    def __init__(self, job_id: str, host_index: int):
+    def __init__(self, job_id: str, host_index: int, scope: str = ""):
         self._job = job_id
+        self._scope = scope
         self._host = host_index
         self._maps: dict[tuple[int, int], np.ndarray] = {}
 
@@ -144,7 +147,8 @@ class PeerHeaps:
         key = (local_rank, seg)
         u8 = self._maps.get(key)
         if u8 is None:
-            name = segments.segment_name(self._job, self._host, f"heap{local_rank}-{seg}")
+            name = segments.segment_name(self._job, self._host,
+                                         f"{self._scope}heap{local_rank}-{seg}")
             try:
                 u8 = np.frombuffer(segments.open_existing(name), dtype=np.uint8)
             except FileNotFoundError:

@@ -205,6 +205,7 @@ class ShmEngine:
         heap_bytes: int = 256 << 20,
         block_bytes: int = 256 << 10,
         fences: bool | None = None,
+        scope: str = "",
     ):
         if not 0 <= local_rank < local_size:
             raise DDLConfigError(f"local rank {local_rank} is outside 0..{local_size - 1}")
@@ -239,7 +240,8 @@ class ShmEngine:
         ]
         self._failed: BaseException | None = None
         self._seq = 0
-        self._name = segments.segment_name(job_id, host_index, "ctl")
+        # scope tells apart the engines of one rank (one per grid line in a multi-host job)
+        self._name = segments.segment_name(job_id, host_index, f"{scope}ctl")
         self._ctl_bytes = _HDR + n * _BLOCK
         staging_off = -(-self._ctl_bytes // 4096) * 4096
         total = staging_off + 2 * n * slot
@@ -262,8 +264,8 @@ class ShmEngine:
         self._peers = [i for i in range(n) if i != local_rank]
         self._peer_seq = [(i, self._blk[i] + W_SEQ) for i in self._peers]
         self._peer_sleep = [self._blk[i] + W_SLEEP for i in self._peers]
-        self.heap = Heap(job_id, host_index, local_rank, heap_bytes)
-        self._peer_heaps = PeerHeaps(job_id, host_index)
+        self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope)
+        self._peer_heaps = PeerHeaps(job_id, host_index, scope)
         self._attach(init_timeout)
 
     # ------------------------------------------------------------------ setup

@@ -77,11 +77,13 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def table(results: Sequence[Result], engines: Sequence[str], markdown: bool = False) -> str:
+def table(results: Sequence[Result], engines: Sequence[str], markdown: bool = False,
+          ours: Sequence[str] = ("ddl", "ddl-heap")) -> str:
+    """One row per (ranks, size); time and busbw per engine; then, for each of ``ours``,
+    the time ratio against every other engine (peer time / our time)."""
     by = {(r.engine, r.ranks, r.nbytes): r for r in results}
     keys = sorted({(r.ranks, r.nbytes) for r in results})
-    ratios = [(a, b) for a in ("ddl", "ddl-heap") for b in ("mpi", "gloo")
-              if a in engines and b in engines]
+    ratios = [(a, b) for a in ours if a in engines for b in engines if b not in ours]
     head = ["ranks", "size"]
     for e in engines:
         head += [f"{e} us", f"{e} GB/s"]

@@ -1,0 +1,158 @@
+"""The DDL multi-dimensional allreduce ("multi-ring").
+
+Reduce-scatter along dimension 0 (ranks in a host), then along dimension 1 on the segment
+that is left (1/d0 of the data), ..., allreduce along the outermost dimension, then allgather
+back in reverse. The slow outer links carry only 1/(d0 x d1 ...) of the bytes.
+
+The buffer is cut into chunks pipelined through the dimensions: one thread per dimension,
+each running a fixed schedule (reduce-scatter chunk i, then allgather chunk i-1), so chunk
+i+1's intra-host work overlaps chunk i's transfer across hosts while every engine still sees
+the same sequence of operations on every rank. Engines release the GIL while they move data.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..dtypes import DType
+from ..errors import DDLTimeoutError
+from ..ops import ReduceOp, reduce_into
+from .dims import split
+
+
+class _Stage:
+    """One (dimension, chunk) step's completion, which may also carry a failure."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
+class MultiDim:
+    def __init__(self, dims: list, world_size: int, rank: int, *, chunk_bytes: int,
+                 timeout: float, dump_iter: int = 0, label: str = ""):
+        self.dims = [d for d in dims if d.size > 1]
+        self.world = world_size
+        self.rank = rank
+        self.chunk_bytes = max(4096, chunk_bytes)
+        self.timeout = timeout
+        self.dump_iter = dump_iter
+        self.label = label
+        self._calls = 0
+        self._busy = [0.0] * len(self.dims)
+        self._wall = 0.0
+
+    def describe(self, nbytes: int = 1 << 20) -> str:
+        return " -> ".join(d.describe(nbytes) for d in self.dims) or "single rank"
+
+    # -------------------------------------------------------------------------
+    def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
+        """In place on a flat array; results bitwise identical on every rank."""
+        t0 = time.perf_counter()
+        inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+        if len(self.dims) == 1:
+            self._timed(0, self.dims[0].allreduce, buf, dt, inner)
+        elif self.dims:
+            self._pipeline(buf, dt, inner)
+        if op is ReduceOp.AVERAGE and self.world > 1:
+            reduce_into(buf, [buf], ReduceOp.AVERAGE, dt, self.world)
+        self._wall += time.perf_counter() - t0
+        self._calls += 1
+        if self.dump_iter and self._calls % self.dump_iter == 0:
+            self._dump(buf.nbytes)
+
+    def _timed(self, k: int, fn: Callable, *args) -> None:
+        t = time.perf_counter()
+        fn(*args)
+        self._busy[k] += time.perf_counter() - t
+
+    def _pipeline(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
+        k = len(self.dims)
+        ce = max(1, self.chunk_bytes // dt.itemsize)
+        bounds = [(a, min(a + ce, buf.size)) for a in range(0, buf.size, ce)] or [(0, 0)]
+        C = len(bounds)
+        # segments[j][i]: the view dimension j works on for chunk i, and its counts
+        views: list[list[np.ndarray]] = [[None] * C for _ in range(k)]
+        counts: list[list[list[int]]] = [[None] * C for _ in range(k)]
+        for i, (a, b) in enumerate(bounds):
+            v = buf[a:b]
+            for j, d in enumerate(self.dims):
+                views[j][i] = v
+                counts[j][i] = split(v.size, d.size)
+                o = sum(counts[j][i][: d.rank])
+                v = v[o : o + counts[j][i][d.rank]]
+        ready = [[_Stage() for _ in range(C)] for _ in range(k)]  # reduce-scattered
+        done = [[_Stage() for _ in range(C)] for _ in range(k)]  # fully reduced again
+        failure: list[BaseException] = []
+
+        def wait(stage: _Stage) -> None:
+            deadline = time.monotonic() + self.timeout * 2 + 5
+            while not stage.event.wait(0.05):
+                if failure:
+                    raise _Abandon()
+                if time.monotonic() > deadline:
+                    raise DDLTimeoutError(f"rank {self.rank}: multi-dimensional allreduce "
+                                          "pipeline stalled")
+            if failure:
+                raise _Abandon()
+
+        def run_dim(j: int) -> None:
+            d = self.dims[j]
+            last = j == k - 1
+            try:
+                for i in range(C):
+                    if j:
+                        wait(ready[j - 1][i])
+                    if last:
+                        self._timed(j, d.allreduce, views[j][i], dt, op)
+                        done[j][i].event.set()
+                        continue
+                    self._timed(j, d.reduce_scatter, views[j][i], counts[j][i], dt, op)
+                    ready[j][i].event.set()
+                    if i:
+                        wait(done[j + 1][i - 1])
+                        self._timed(j, d.allgather, views[j][i - 1], counts[j][i - 1], dt)
+                        done[j][i - 1].event.set()
+                if not last:
+                    wait(done[j + 1][C - 1])
+                    self._timed(j, d.allgather, views[j][C - 1], counts[j][C - 1], dt)
+                    done[j][C - 1].event.set()
+            except _Abandon:
+                pass
+            except BaseException as exc:  # handed to the caller below
+                failure.append(exc)
+
+        threads = [threading.Thread(target=run_dim, args=(j,), name=f"ddl-dim{j}", daemon=True)
+                   for j in range(1, k)]
+        for t in threads:
+            t.start()
+        run_dim(0)
+        for t in threads:
+            t.join()
+        if failure:
+            raise failure[0]
+
+    def _dump(self, nbytes: int) -> None:
+        if self.rank != 0:
+            return
+        n = self.dump_iter
+        parts = ", ".join(f"{d.describe(nbytes)} {1e3 * self._busy[j] / n:.2f} ms"
+                          for j, d in enumerate(self.dims))
+        print(f"[ddl] allreduce #{self._calls} ({nbytes} B): {parts}; "
+              f"wall {1e3 * self._wall / n:.2f} ms per call", file=sys.stderr, flush=True)
+        self._busy = [0.0] * len(self.dims)
+        self._wall = 0.0
+
+    def close(self) -> None:
+        for d in self.dims:
+            d.close()
+
+
+class _Abandon(Exception):
+    """Another dimension failed: stop quietly, its error is the one reported."""

@@ -1,0 +1,148 @@
+"""Cross-host engine on Gloo, through torch's ProcessGroupGloo.
+
+Groups are made directly from one job-wide TCPStore (on rank 0 at MASTER_ADDR:DDL_PORT),
+never through ``torch.distributed.init_process_group``: the user's own default process group
+(DDP on gloo or nccl) stays theirs. ``GLOO_SOCKET_IFNAME`` (set by ``ddlrun
+--network-interface``) picks the interface.
+
+A group offers point-to-point exchange of raw bytes (used by ddl's own ring and
+halving-doubling algorithms, which reduce with ddl's kernel and so handle every dtype) and
+Gloo's native collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+
+from ..dtypes import DType
+from ..errors import DDLConfigError, DDLError, DDLPeerError, DDLTimeoutError
+from ..ops import ReduceOp
+
+_NATIVE_DTYPES = {"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+                  "bool"}
+
+
+def _torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency of the gloo engine
+        raise DDLConfigError(
+            "the gloo engine needs PyTorch: pip install 'powerddl[torch]'"
+        ) from None
+    return torch, dist
+
+
+class GlooContext:
+    """The job-wide rendezvous every Gloo group of ddl is made from."""
+
+    def __init__(self, rank: int, world: int, addr: str, port: int, timeout: float):
+        torch, dist = _torch()
+        self.rank = rank
+        self.timeout = timeout
+        td = datetime.timedelta(seconds=max(timeout, 1.0))
+        try:
+            self.store = dist.TCPStore(addr, port, world, rank == 0, td)
+        except (RuntimeError, OSError) as exc:
+            hint = "is the port in use? set DDL_PORT" if rank == 0 else (
+                "is rank 0 up and the address reachable? ddlrun --network-interface picks it")
+            raise DDLError(
+                f"rank {rank}: cannot open the ddl rendezvous at {addr}:{port} ({exc}); {hint}"
+            ) from None
+
+    def group(self, name: str, members: tuple[int, ...], position: int) -> GlooGroup:
+        return GlooGroup(self, name, members, position)
+
+
+class GlooGroup:
+    name = "gloo"
+
+    def __init__(self, ctx: GlooContext, name: str, members: tuple[int, ...], position: int):
+        torch, dist = _torch()
+        self._torch = torch
+        self._dist = dist
+        self.members = members
+        self.size = len(members)
+        self.rank = position
+        self.global_rank = members[position]
+        self.label = name
+        self.timeout = ctx.timeout
+        store = dist.PrefixStore(f"ddl/{name}/", ctx.store)
+        td = datetime.timedelta(seconds=max(ctx.timeout, 1.0))
+        self.pg = dist.ProcessGroupGloo(store, position, self.size, td)
+        self._ops = {
+            ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+            ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+        }
+        self._tag = 0
+
+    # -------------------------------------------------------------- helpers
+    def _tensor(self, arr: np.ndarray, dt: DType | None = None):
+        t = self._torch.from_numpy(arr)
+        if dt is not None and dt.name == "bfloat16":
+            t = t.view(self._torch.bfloat16)
+        return t
+
+    def _wait(self, works, what: str) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            text = str(exc)
+            cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
+            raise cls(
+                f"rank {self.global_rank}: {what} on gloo group {self.label} "
+                f"(ranks {list(self.members)}) failed: {text.splitlines()[0] if text else exc}"
+            ) from None
+
+    def native_ok(self, dt: DType) -> bool:
+        return dt.name in _NATIVE_DTYPES
+
+    # ------------------------------------------------------------------ p2p
+    def sendrecv(self, send: np.ndarray, to: int, recv: np.ndarray, frm: int) -> None:
+        """Send ``send`` to group rank ``to`` while receiving ``recv`` from ``frm`` (bytes)."""
+        self._tag = (self._tag + 1) & 0x3FFFFFFF
+        works = []
+        if send.nbytes:
+            works.append(self.pg.send([self._tensor(send.view(np.uint8))], to, self._tag))
+        if recv.nbytes:
+            works.append(self.pg.recv([self._tensor(recv.view(np.uint8))], frm, self._tag))
+        self._wait(works, "sendrecv")
+
+    # --------------------------------------------------------------- native
+    def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
+        """In place; Average divides after the sum."""
+        if buf.size == 0:
+            return
+        t = self._tensor(buf, dt)
+        opts = self._dist.AllreduceOptions()
+        opts.reduceOp = self._ops[op]
+        self._wait([self.pg.allreduce([t], opts)], f"allreduce({dt.name}[{buf.size}])")
+        if op is ReduceOp.AVERAGE:
+            np.divide(buf, self.size, out=buf, casting="unsafe") if dt.name != "bfloat16" else \
+                t.div_(self.size)
+
+    def broadcast(self, buf: np.ndarray, dt: DType, root: int) -> None:
+        if buf.size == 0:
+            return
+        opts = self._dist.BroadcastOptions()
+        opts.rootRank = root
+        self._wait([self.pg.broadcast([self._tensor(buf.view(np.uint8))], opts)],
+                   f"broadcast({dt.name}[{buf.size}])")
+
+    def allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Equal-size allgather of raw bytes: dst = concat over ranks of src."""
+        if dst.nbytes == 0:
+            return
+        self._wait([self.pg._allgather_base(self._tensor(dst.view(np.uint8)),
+                                             self._tensor(src.view(np.uint8)))], "allgather")
+
+    def barrier(self) -> None:
+        one = np.zeros(1, np.uint8)
+        self._wait([self.pg.allreduce([self._tensor(one)])], "barrier")
+
+    def close(self) -> None:
+        pass

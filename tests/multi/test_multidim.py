@@ -1,0 +1,61 @@
+"""The DDL multi-dimensional allreduce across "hosts" simulated on one machine: each rank
+is told its host (DDL_HOST_INDEX, LOCAL_RANK, LOCAL_WORLD_SIZE), so dimensions inside a
+host run on shared memory and dimensions across hosts on Gloo over loopback. The real
+multi-host runs (network namespaces + sshd through ddlrun) are in test_netns_ddl.py."""
+
+import pytest
+
+from tests.core.util import reports, run_worker
+
+pytest.importorskip("torch")
+SIZES = "0,3,1000,70001"
+
+
+def _hosts(n, per, options, sizes=SIZES, **env):
+    pre = [dict(LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per), DDL_HOST_INDEX=str(r // per),
+                GROUP_RANK=str(r // per), DDL_OPTIONS=options) for r in range(n)]
+    res = run_worker("collectives.py", n, sizes, per_rank_env=pre,
+                     env=dict(dict(DDL_CHUNK_BYTES="64K"), **env), timeout=400)
+    reps = reports(res)
+    assert len({r["digest"] for r in reps}) == 1, "ranks got different bytes"
+    return reps
+
+
+FEW = "bool,int8,float16,float64,complex64"
+
+
+def test_two_hosts_of_two_every_dtype():
+    _hosts(4, 2, "-mode r:2x2")
+
+
+@pytest.mark.parametrize("options", ["-mode n:2x2", "-mode b:2x2", "-mode p:2x2",
+                                     "-mode rn:2x2 -dump_iter 7", ""])
+def test_two_hosts_of_two_every_mode(options):
+    _hosts(4, 2, options, CHECK_DTYPES=FEW)
+
+
+@pytest.mark.parametrize("options", ["-mode b:1x4", "-mode b:4x1"])
+def test_degenerate_grids(options):
+    _hosts(4, 2, options, "0,3,70001", CHECK_DTYPES=FEW)
+
+
+@pytest.mark.slow
+def test_three_dimensions_oversubscribed():
+    _hosts(8, 2, "-mode r:2x2x2", "0,3,1000,70001", CHECK_DTYPES=FEW)
+
+
+@pytest.mark.slow
+def test_three_hosts_of_two_with_many_chunks():
+    _hosts(6, 2, "-mode b:2x3", "0,7,100001", DDL_CHUNK_BYTES="32K", CHECK_DTYPES=FEW)
+
+
+def test_grid_that_does_not_match_the_job_is_refused():
+    res = run_worker("collectives.py", 2, "1", env=dict(DDL_OPTIONS="-mode b:2x2"))
+    assert all(r.returncode != 0 for r in res)
+    assert "describes 4 ranks but the job has 2" in res[0].stderr
+
+
+def test_bad_mode_string_is_refused():
+    res = run_worker("collectives.py", 2, "1", env=dict(DDL_OPTIONS="-mode q:2"))
+    assert all(r.returncode != 0 for r in res)
+    assert "unknown mode letter 'q'" in res[0].stderr
