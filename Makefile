@@ -31,7 +31,10 @@ lint: install
 	$(BIN)/ruff check .
 
 docs: install
-	@echo "docs are Markdown under docs/; start at docs/index.md"
+	$(BIN)/ddl-perf env --markdown > .env-table.md
+	$(BIN)/python -c "import re,sys; p='docs/tuning.md'; s=open(p).read(); t=open('.env-table.md').read().rstrip(); a=s.index('| variable | default | meaning |'); b=s.index('\n\n', a); open(p,'w').write(s[:a]+t+s[b:])"
+	@rm -f .env-table.md
+	$(BIN)/python -m pytest -q tests/core/test_docs.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -72,10 +72,20 @@ def _make_engine(world: World, opts: options.Options):
     from .engines.multihost import MultiHostEngine
 
     port = config.get("DDL_PORT") or config.get("MASTER_PORT") + 1
-    return MultiHostEngine(world, opts, addr=config.get("MASTER_ADDR"), port=port,
+    transport = config.get("DDL_TRANSPORT")
+    if transport == "auto":
+        transport = "mpi" if world.launched_by_mpi and _have("mpi4py") else "gloo"
+    return MultiHostEngine(world, opts, transport=transport, addr=config.get("MASTER_ADDR"),
+                           port=port,
                            timeout=config.get("DDL_TIMEOUT"),
                            chunk_bytes=config.get("DDL_CHUNK_BYTES"),
                            shm_kwargs=_shm_kwargs())
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def shutdown() -> None:

@@ -141,12 +141,38 @@ _VARS = [
         "cross-host engines (default: MASTER_PORT + 1, so torch's own group keeps MASTER_PORT)",
     ),
     EnvVar(
+        "DDL_TRANSPORT",
+        _choice("auto", "gloo", "mpi"),
+        "auto",
+        "engine of the dimensions that cross hosts: 'mpi' (mpi4py, communicators split per "
+        "grid line) or 'gloo' (torch); 'auto' takes mpi when mpirun/srun started the job",
+    ),
+    EnvVar(
         "DDL_CHUNK_BYTES",
         _size,
         4 << 20,
         "chunk size of the multi-dimensional allreduce pipeline: chunk i+1's intra-host "
         "work overlaps chunk i's transfer across hosts",
     ),
+]
+
+
+def _ms(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+_VARS += [
+    # ddl.torch's DistributedOptimizer (Horovod: HOROVOD_FUSION_THRESHOLD, _CYCLE_TIME);
+    # its arguments override these.
+    EnvVar("DDL_FUSION_THRESHOLD", _size, 128 << 20,
+           "bytes of gradients fused into one allreduce by DistributedOptimizer "
+           "(K/M/G suffixes; 0 disables fusion)"),
+    EnvVar("DDL_CYCLE_TIME", _ms, 1.0,
+           "milliseconds: gradients ready within one cycle share a fusion buffer "
+           "(0: fuse by size only)"),
 ]
 
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ class World:
     host_index: int
     num_hosts: int
     job_id: str
+    launched_by_mpi: bool = False
 
     @property
     def cross_rank(self) -> int:
@@ -36,7 +38,29 @@ def _default_job_id(env: Mapping[str, str] | None) -> str:
     return "auto" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+_MPI_VARS = {  # what Open MPI and Slurm set, for jobs mpirun/srun started without ddlrun
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"),
+    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
+}
+
+
+def _with_mpi_fallbacks(env: Mapping[str, str]) -> dict[str, str]:
+    out = dict(env)
+    for ours, theirs in _MPI_VARS.items():
+        if not out.get(ours):
+            for name in theirs:
+                if env.get(name):
+                    out[ours] = env[name]
+                    break
+    return out
+
+
 def world_from_env(env: Mapping[str, str] | None = None) -> World:
+    raw = os.environ if env is None else env
+    by_mpi = any(raw.get(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+    env = _with_mpi_fallbacks(raw)
     size = config.get("WORLD_SIZE", env)
     rank = config.get("RANK", env)
     local_size = config.get("LOCAL_WORLD_SIZE", env)
@@ -46,7 +70,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     if local_rank is None:
         local_rank = rank if local_size == size else rank % local_size
     host_index = config.get("DDL_HOST_INDEX", env)
-    if host_index is None:
+    if host_index is None and env.get("GROUP_RANK"):
         host_index = config.get("GROUP_RANK", env)
     if size < 1:
         raise DDLConfigError(f"WORLD_SIZE must be >= 1, got {size}")
@@ -61,4 +85,6 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     hosts = [h for h in config.get("DDL_HOSTS", env).split(",") if h]
     num_hosts = len(hosts) if hosts else -(-size // local_size)
     job_id = config.get("DDL_JOB_ID", env) or _default_job_id(env)
-    return World(rank, size, local_rank, local_size, host_index, num_hosts, job_id)
+    if host_index is None:
+        host_index = rank // local_size if size % local_size == 0 else 0
+    return World(rank, size, local_rank, local_size, host_index, num_hosts, job_id, by_mpi)

@@ -11,6 +11,7 @@ def _check(results, min_checks=250):
     reps = reports(results)
     assert len({r["digest"] for r in reps}) == 1, "ranks got different bytes"
     assert all(r["checks"] >= min_checks for r in reps)
+    assert {r["engine"] for r in reps} <= {"shm", "local"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -18,6 +18,7 @@ def _hosts(n, per, options, sizes=SIZES, **env):
                      env=dict(dict(DDL_CHUNK_BYTES="64K"), **env), timeout=400)
     reps = reports(res)
     assert len({r["digest"] for r in reps}) == 1, "ranks got different bytes"
+    assert {r["engine"] for r in reps} == {"ddl/gloo"}
     return reps
 
 
@@ -59,3 +60,15 @@ def test_bad_mode_string_is_refused():
     res = run_worker("collectives.py", 2, "1", env=dict(DDL_OPTIONS="-mode q:2"))
     assert all(r.returncode != 0 for r in res)
     assert "unknown mode letter 'q'" in res[0].stderr
+
+
+def test_rank_killed_on_another_host_makes_everyone_raise():
+    pre = [dict(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(r % 2), DDL_HOST_INDEX=str(r // 2),
+                GROUP_RANK=str(r // 2), DDL_OPTIONS="-mode r:2x2") for r in range(4)]
+    res = run_worker("failures.py", 4, "kill", "300000", per_rank_env=pre,
+                     env=dict(DDL_TIMEOUT="60"), timeout=120)
+    assert res[3].returncode == -9
+    for r in reports([x for x in res if x.rank != 3]):
+        assert r["kind"] in ("DDLPeerError", "DDLTimeoutError"), r
+        assert r["took"] < 20, "a dead peer across hosts must be noticed long before the timeout"
+        assert r["later"] == "DDLError" or r["later"] is not None

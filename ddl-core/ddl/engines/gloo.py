@@ -88,8 +88,8 @@ class GlooGroup:
 
     def _wait(self, works, what: str) -> None:
         try:
-            for w in works:
-                w.wait()
+            for issue_and_wait in works:
+                issue_and_wait()
         except RuntimeError as exc:
             text = str(exc)
             cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
@@ -105,12 +105,17 @@ class GlooGroup:
     def sendrecv(self, send: np.ndarray, to: int, recv: np.ndarray, frm: int) -> None:
         """Send ``send`` to group rank ``to`` while receiving ``recv`` from ``frm`` (bytes)."""
         self._tag = (self._tag + 1) & 0x3FFFFFFF
-        works = []
-        if send.nbytes:
-            works.append(self.pg.send([self._tensor(send.view(np.uint8))], to, self._tag))
-        if recv.nbytes:
-            works.append(self.pg.recv([self._tensor(recv.view(np.uint8))], frm, self._tag))
-        self._wait(works, "sendrecv")
+        pending = []
+
+        def issue() -> None:  # inside _wait, so a peer that is gone surfaces as DDLPeerError
+            if send.nbytes:
+                pending.append(self.pg.send([self._tensor(send.view(np.uint8))], to, self._tag))
+            if recv.nbytes:
+                pending.append(self.pg.recv([self._tensor(recv.view(np.uint8))], frm, self._tag))
+            for w in pending:
+                w.wait()
+
+        self._wait([issue], "sendrecv")
 
     # --------------------------------------------------------------- native
     def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
@@ -120,7 +125,8 @@ class GlooGroup:
         t = self._tensor(buf, dt)
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        self._wait([self.pg.allreduce([t], opts)], f"allreduce({dt.name}[{buf.size}])")
+        self._wait([lambda: self.pg.allreduce([t], opts).wait()],
+                   f"allreduce({dt.name}[{buf.size}])")
         if op is ReduceOp.AVERAGE:
             np.divide(buf, self.size, out=buf, casting="unsafe") if dt.name != "bfloat16" else \
                 t.div_(self.size)
@@ -130,19 +136,20 @@ class GlooGroup:
             return
         opts = self._dist.BroadcastOptions()
         opts.rootRank = root
-        self._wait([self.pg.broadcast([self._tensor(buf.view(np.uint8))], opts)],
+        t = self._tensor(buf.view(np.uint8))
+        self._wait([lambda: self.pg.broadcast([t], opts).wait()],
                    f"broadcast({dt.name}[{buf.size}])")
 
     def allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Equal-size allgather of raw bytes: dst = concat over ranks of src."""
         if dst.nbytes == 0:
             return
-        self._wait([self.pg._allgather_base(self._tensor(dst.view(np.uint8)),
-                                             self._tensor(src.view(np.uint8)))], "allgather")
+        out, inp = self._tensor(dst.view(np.uint8)), self._tensor(src.view(np.uint8))
+        self._wait([lambda: self.pg._allgather_base(out, inp).wait()], "allgather")
 
     def barrier(self) -> None:
-        one = np.zeros(1, np.uint8)
-        self._wait([self.pg.allreduce([self._tensor(one)])], "barrier")
+        one = self._tensor(np.zeros(1, np.uint8))
+        self._wait([lambda: self.pg.allreduce([one]).wait()], "barrier")
 
     def close(self) -> None:
         pass

@@ -12,6 +12,7 @@ from .. import grid as gridmod
 from ..algorithms.dims import GroupDim, ShmDim
 from ..algorithms.multidim import MultiDim
 from ..dtypes import BY_NAME, DType
+from ..errors import DDLError
 from ..ops import ReduceOp
 from ..options import Options
 from ..topology import World
@@ -20,14 +21,19 @@ from .shm import ShmEngine
 
 
 class MultiHostEngine:
-    name = "ddl"
     heap = None  # ddl.malloc gives private memory here: peers are not all on this host
 
-    def __init__(self, world: World, opts: Options, *, addr: str, port: int, timeout: float,
-                 chunk_bytes: int, shm_kwargs: dict):
+    def __init__(self, world: World, opts: Options, *, transport: str, addr: str, port: int,
+                 timeout: float, chunk_bytes: int, shm_kwargs: dict):
         self.world = world
         self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
-        self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
+        if transport == "mpi":
+            from .mpi import MPIContext
+
+            self.ctx = MPIContext()
+        else:
+            self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
+        self.name = f"ddl/{transport}"
         dims = []
         try:
             for d in self.grid.dims:
@@ -54,6 +60,19 @@ class MultiHostEngine:
                                  timeout=timeout, dump_iter=opts.dump_iter)
         self.size = world.size
         self.rank = world.rank
+        self._failed: BaseException | None = None
+
+    def _guard(self, fn: Callable, *args):
+        """A peer lost across hosts leaves the groups unusable: fail every later call at
+        once, naming the first error, as the shared-memory engine does."""
+        if self._failed is not None:
+            raise DDLError(f"rank {self.rank}: the multi-host engine failed earlier "
+                           f"({self._failed}); the job cannot continue")
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            self._failed = exc
+            raise
 
     def describe(self) -> str:
         return self.multidim.describe()
@@ -64,15 +83,18 @@ class MultiHostEngine:
                                    dst.__array_interface__["data"][0]
                                    == src.__array_interface__["data"][0]):
             np.copyto(dst, src)
-        self.multidim.allreduce(dst, dt, op)
+        self._guard(self.multidim.allreduce, dst, dt, op)
 
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
         work = src.copy()
-        self.multidim.allreduce(work, dt, op)
+        self._guard(self.multidim.allreduce, work, dt, op)
         o = sum(counts[: self.rank])
         np.copyto(dst, work[o : o + counts[self.rank]])
 
     def allgather(self, src, dt: DType, row_shape, alloc: Callable[[list[int]], np.ndarray]):
+        return self._guard(self._allgather, src, dt, alloc)
+
+    def _allgather(self, src, dt: DType, alloc):
         g = self.world_group
         sizes = np.zeros(self.size, np.int64)
         g.allgather_bytes(np.array([src.size], np.int64), sizes)
@@ -92,10 +114,10 @@ class MultiHostEngine:
         return dst
 
     def broadcast(self, buf, dt: DType, root: int, shape) -> None:
-        self.world_group.broadcast(buf, dt, root)
+        self._guard(self.world_group.broadcast, buf, dt, root)
 
     def barrier(self) -> None:
-        self.world_group.barrier()
+        self._guard(self.world_group.barrier)
 
     def close(self) -> None:
         self.multidim.close()

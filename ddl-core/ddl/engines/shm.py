@@ -35,6 +35,7 @@ import ctypes.util
 import mmap
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 
@@ -181,6 +182,7 @@ class _Timespec(ctypes.Structure):
 
 
 _LITTLE = __import__("sys").byteorder == "little"
+_MAIN_THREAD = threading.main_thread()
 
 
 class ShmEngine:
@@ -386,14 +388,17 @@ class ShmEngine:
         Liveness and the timeout are checked every few milliseconds throughout."""
         load = self._q.__getitem__ if self._atomics is None else self._atomics.load
         n = 0
-        spin = self._spin
+        spin, yields = self._spin, self._yields
+        if threading.current_thread() is not _MAIN_THREAD:
+            # Collectives off the main thread (async handles, DDP's comm hook, pipelines)
+            # run beside the user's compute: spinning would take the core it needs.
+            spin, yields = 0, 2
         while n < spin:
             if load(word) >= seq:
                 return
             n += 1
         t0 = time.monotonic()
         next_probe = t0 + 0.002
-        yields = self._yields
         futex = self._futex
         q, flag = self._q, self._my + W_SLEEP
         k = 0

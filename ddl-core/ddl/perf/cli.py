@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aim each repetition at this long (sets iterations)")
     a.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     a.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    sub.add_parser("env", help="list the environment variables ddl reads")
+    e = sub.add_parser("env", help="list the environment variables ddl reads")
+    e.add_argument("--markdown", action="store_true", help="as the table in docs/tuning.md")
     return p
 
 
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "allreduce":
         return _allreduce(args)
+    if args.markdown:
+        print("| variable | default | meaning |\n|---|---|---|")
+        for name, default, doc in config.describe():
+            print(f"| `{name}` | {default or '-'} | {doc} |")
+        return 0
     for name, default, doc in config.describe():
         print(f"{name:22} default={default!s:10} {doc}")
     return 0

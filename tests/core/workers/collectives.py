@@ -176,5 +176,6 @@ for dtype, op in (("int32", ddl.Sum), ("float64", ddl.Average), ("int16", ddl.Ma
         record(ddl.allgather(got))  # each rank's part differs; the whole must not
 
 ddl.barrier()
-print(json.dumps({"rank": R, "checks": checks, "digest": digest.hexdigest()}))
+print(json.dumps({"rank": R, "checks": checks, "digest": digest.hexdigest(),
+                  "engine": ddl.engine_name()}))
 ddl.shutdown()

@@ -1,0 +1,91 @@
+"""Cross-host engine on MPI (mpi4py), for jobs started by mpirun or srun: one
+communicator per grid line, split from COMM_WORLD. Same surface as the Gloo groups."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DType
+from ..errors import DDLConfigError, DDLPeerError
+from ..ops import ReduceOp
+
+# MPI has no float16/bfloat16/bool reductions in the standard: ddl's ring does those.
+_NATIVE = {"uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32",
+           "float64", "complex64", "complex128"}
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise DDLConfigError("the mpi engine needs mpi4py: pip install 'powerddl[mpi]'") from None
+    return MPI
+
+
+class MPIContext:
+    def __init__(self) -> None:
+        self.MPI = _mpi()
+        self.world = self.MPI.COMM_WORLD
+        # An exception in one rank must not leave the others in a collective forever.
+        self.world.Set_errhandler(self.MPI.ERRORS_RETURN)
+
+    def group(self, name: str, members: tuple[int, ...], position: int) -> MPIGroup:
+        # Every rank of COMM_WORLD calls Split once per dimension (colour = line id), so
+        # groups are made in the same order everywhere.
+        comm = self.world.Split(color=members[0], key=position)
+        return MPIGroup(self.MPI, comm, name, members, position)
+
+
+class MPIGroup:
+    name = "mpi"
+
+    def __init__(self, MPI, comm, label: str, members: tuple[int, ...], position: int):
+        self.MPI = MPI
+        self.comm = comm
+        self.label = label
+        self.members = members
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.global_rank = members[position]
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+                     ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+
+    def _call(self, what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except self.MPI.Exception as exc:
+            raise DDLPeerError(f"rank {self.global_rank}: {what} on MPI group {self.label} "
+                               f"(ranks {list(self.members)}) failed: {exc}") from None
+
+    def native_ok(self, dt: DType) -> bool:
+        return dt.name in _NATIVE
+
+    def sendrecv(self, send: np.ndarray, to: int, recv: np.ndarray, frm: int) -> None:
+        self._call("sendrecv", self.comm.Sendrecv, [send.view(np.uint8), self.MPI.BYTE], to, 0,
+                   [recv.view(np.uint8), self.MPI.BYTE], frm, 0)
+
+    def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
+        if buf.size == 0:
+            return
+        self._call("allreduce", self.comm.Allreduce, self.MPI.IN_PLACE, buf, self._ops[op])
+        if op is ReduceOp.AVERAGE:
+            np.divide(buf, self.size, out=buf, casting="unsafe")
+
+    def broadcast(self, buf: np.ndarray, dt: DType, root: int) -> None:
+        if buf.size:
+            self._call("broadcast", self.comm.Bcast, [buf.view(np.uint8), self.MPI.BYTE], root)
+
+    def allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if dst.nbytes:
+            self._call("allgather", self.comm.Allgather, [src.view(np.uint8), self.MPI.BYTE],
+                       [dst.view(np.uint8), self.MPI.BYTE])
+
+    def barrier(self) -> None:
+        self._call("barrier", self.comm.Barrier)
+
+    def close(self) -> None:
+        if self.comm != self.MPI.COMM_WORLD:
+            try:
+                self.comm.Free()
+            except self.MPI.Exception:
+                pass

@@ -1,0 +1,171 @@
+"""``ddl.torch``: PyTorch on the ddl core, two ways.
+
+Horovod's API, so Horovod scripts run by changing one import::
+
+    import ddl.torch as hvd
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+and a ``torch.distributed`` backend named ``ddl`` (registered by this import)::
+
+    torch.distributed.init_process_group("ddl", init_method="env://")
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+See docs/pytorch.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddl import (
+    Average,
+    DDLConfigError,
+    DDLError,
+    DDLMismatchError,
+    DDLPeerError,
+    DDLTimeoutError,
+    Max,
+    Min,
+    Product,
+    Sum,
+    cross_rank,
+    cross_size,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from ddl import init as _core_init
+
+from .backend import DDLProcessGroup, DDLWork, register
+from .compression import Compression, Compressor
+from .functions import broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import (
+    ProcessSet,
+    add_process_set,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    global_process_set,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reduce_scatter,
+    reduce_scatter_async,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer
+
+register()
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Join the job (``ddl.init()``). Horovod's ``comm`` (an MPI communicator) and
+    ``process_sets`` are accepted only when they mean "every rank"."""
+    if comm is not None:
+        raise NotImplementedError("ddl.torch.init: comm= is not supported; ddl.init() reads "
+                                  "the launch environment (ddlrun, torchrun, mpirun)")
+    if process_sets:
+        raise NotImplementedError("ddl.torch.init: process_sets are not supported")
+    _core_init()
+
+
+# What this build has, in Horovod's vocabulary (scripts branch on these).
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return True
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    return True
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    raise NotImplementedError("ddl.torch: the Horovod timeline is not supported")
+
+
+def stop_timeline() -> None:
+    raise NotImplementedError("ddl.torch: the Horovod timeline is not supported")
+
+
+def __getattr__(name: str) -> Any:
+    # hvd.Adasum is absent on purpose: an approximate Adasum would train differently
+    # without saying so.
+    if name == "Adasum":
+        raise AttributeError(
+            "ddl.torch has no Adasum: it is not implemented; use op=hvd.Average (the "
+            "default) or hvd.Sum"
+        )
+    raise AttributeError(f"module 'ddl.torch' has no attribute {name!r}")
+
+
+__all__ = [
+    "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
+    "DDLPeerError", "DDLProcessGroup", "DDLTimeoutError", "DDLWork", "DistributedOptimizer",
+    "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "join",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank", "reduce_scatter", "reduce_scatter_async", "register",
+    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+]

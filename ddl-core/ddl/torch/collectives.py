@@ -1,0 +1,80 @@
+"""Collectives the core does not have, built from the ones it has (alltoall, objects).
+
+They are correct for every engine because they use only the public ``ddl.*`` API; they are
+not as fast as a native implementation would be (alltoall moves every rank's whole tensor to
+every rank), which is fine for the control-plane uses they serve.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import ddl
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[j]`` rows of ``tensor`` (dim 0, in order) to rank ``j``; return the rows
+    received, in rank order, and how many came from each rank."""
+    n, me = ddl.size(), ddl.rank()
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if splits is None:
+        if rows % n:
+            raise ddl.DDLConfigError(
+                f"alltoall: dimension 0 has {rows} rows, not divisible by {n} ranks; pass splits"
+            )
+        splits = [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ddl.DDLConfigError(
+            f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}"
+        )
+    table = ddl.allgather(np.asarray([splits], dtype=np.int64))  # table[i][j]: i sends to j
+    data = ddl.allgather(tensor.reshape(rows, -1) if tensor.dim() else tensor.reshape(1, 1))
+    pieces, start = [], 0
+    for i in range(n):
+        off = start + int(table[i, :me].sum())
+        pieces.append(data[off:off + int(table[i, me])])
+        start += int(table[i].sum())
+    out = torch.cat(pieces).reshape((-1,) + tuple(tensor.shape[1:]))
+    return out, torch.from_numpy(np.ascontiguousarray(table[:, me]))
+
+
+def _dumps(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # handles tensors (any device) inside the object
+    return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+
+
+def _loads(data: np.ndarray) -> Any:
+    return torch.load(io.BytesIO(data.tobytes()), weights_only=False)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """``root_rank``'s ``obj`` on every rank (pickled; tensors included)."""
+    payload = _dumps(obj) if ddl.rank() == root_rank else np.empty(0, np.uint8)
+    length = ddl.broadcast(np.asarray([payload.size], dtype=np.int64), root_rank)
+    if ddl.rank() != root_rank:
+        payload = np.empty(int(length[0]), dtype=np.uint8)
+    ddl.broadcast_(payload, root_rank)
+    return obj if ddl.rank() == root_rank else _loads(payload)
+
+
+def allgather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    payload = _dumps(obj)
+    lengths = ddl.allgather(np.asarray([payload.size], dtype=np.int64))
+    data = ddl.allgather(payload)
+    out, off = [], 0
+    for n in lengths.tolist():
+        out.append(_loads(data[off:off + n]))
+        off += n
+    return out
+
+
+__all__ = ["allgather_object", "alltoall", "broadcast_object"]

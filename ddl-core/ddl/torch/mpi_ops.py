@@ -1,0 +1,358 @@
+"""Horovod's ``horovod.torch`` collectives, with Horovod's arguments, over the ddl core.
+
+Each collective is one function over the core's async call; the blocking and in-place
+spellings wrap it. Handles are ddl handles (``wait()``/``poll()``), so ``hvd.synchronize``
+and ``ddl.synchronize`` both take them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import ddl
+from ddl.ops import parse_op
+
+from . import collectives
+from .compression import Compression, Compressor
+
+
+class ProcessSet:
+    """Horovod's process sets. Only the global one (every rank) exists in ddl today."""
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks = list(ranks) if ranks is not None else None
+
+    def __repr__(self) -> str:
+        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def _check_process_set(process_set: Any) -> None:
+    if process_set is None or process_set is global_process_set:
+        return
+    if isinstance(process_set, ProcessSet) and (
+        process_set.ranks is None or sorted(process_set.ranks) == list(range(ddl.size()))
+    ):
+        return
+    raise NotImplementedError(
+        "ddl.torch: process sets other than the global one are not supported; use "
+        "torch.distributed.new_group on the 'ddl' backend for sub-groups"
+    )
+
+
+def add_process_set(process_set: Any) -> ProcessSet:
+    raise NotImplementedError("ddl.torch: add_process_set is not supported (global set only)")
+
+
+class Handle:
+    """An async result that post-processes on ``wait()`` (scaling, decompression, copies)."""
+
+    __slots__ = ("_inner", "_finish", "_done", "_value", "name")
+
+    def __init__(self, inner: Any, finish: Callable[[Any], Any] | None = None,
+                 name: str = "") -> None:
+        self._inner, self._finish, self.name = inner, finish, name
+        self._done, self._value = False, None
+
+    def poll(self) -> bool:
+        return self._done or self._inner.poll()
+
+    def wait(self) -> Any:
+        if not self._done:
+            value = self._inner.wait()
+            self._value = self._finish(value) if self._finish else value
+            self._done = True
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"<ddl.torch.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
+
+
+class _Ready:
+    """A handle for work already finished on this thread."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._value
+
+
+def synchronize(handle: Any) -> Any:
+    """Wait for an ``*_async`` call and return its output."""
+    return handle.wait()
+
+
+def poll(handle: Any) -> bool:
+    """True when the ``*_async`` call has finished."""
+    return handle.poll()
+
+
+def _op(average: bool | None, op: Any) -> ddl.ReduceOp:
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass op or average (deprecated), not both")
+        return ddl.Average if average else ddl.Sum
+    if op is None:
+        return ddl.Average
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("ddl.torch: Adasum is not implemented; use op=hvd.Average")
+    return parse_op(op)
+
+
+# ------------------------------------------------------------------- allreduce
+def _allreduce_async(tensor: torch.Tensor, average, name, op, prescale_factor: float,
+                     postscale_factor: float, compression: type[Compressor], inplace: bool,
+                     process_set: Any) -> Handle:
+    _check_process_set(process_set)
+    rop = _op(average, op)
+    sent, ctx = compression.compress(tensor)
+    if prescale_factor != 1.0:
+        sent = sent * prescale_factor
+    inner = ddl.allreduce_async(sent, rop, name=name)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        if postscale_factor != 1.0:
+            out.mul_(postscale_factor)
+        out = compression.decompress(out, ctx)
+        if inplace:
+            with torch.no_grad():
+                tensor.copy_(out)
+            return tensor
+        return out
+
+    return Handle(inner, finish, name or "allreduce")
+
+
+class _AllreduceFn(torch.autograd.Function):
+    """Horovod's allreduce is differentiable: the gradient is the allreduce of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, compression, name):
+        ctx.args = (op, prescale, postscale, compression)
+        return _allreduce_async(tensor, None, name, op, prescale, postscale, compression,
+                                False, None).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale, compression = ctx.args
+        out = _allreduce_async(grad.contiguous(), None, None, op, prescale, postscale,
+                               compression, False, None).wait()
+        return out, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Any = None) -> torch.Tensor:
+    """Average (or ``op``) of ``tensor`` over all ranks, as a new tensor."""
+    rop = _op(average, op)
+    _check_process_set(process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllreduceFn.apply(tensor, rop, prescale_factor, postscale_factor, compression,
+                                  name)
+    return _allreduce_async(tensor, None, name, rop, prescale_factor, postscale_factor,
+                            compression, False, None).wait()
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                            Compression.none, False, process_set)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = None) -> torch.Tensor:
+    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                            Compression.none, True, process_set).wait()
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                            Compression.none, True, process_set)
+
+
+def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
+                   postscale_factor, compression, inplace: bool, process_set) -> Handle:
+    """One fused allreduce per (dtype, device): Horovod's grouped_allreduce fuses too."""
+    _check_process_set(process_set)
+    rop = _op(average, op)
+    sent = [compression.compress(t) for t in tensors]
+    by_key: dict[tuple, list[int]] = {}
+    for i, (s, _) in enumerate(sent):
+        by_key.setdefault((s.dtype, s.device), []).append(i)
+    parts = []
+    for idx in by_key.values():
+        flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
+        if prescale_factor != 1.0:
+            flat.mul_(prescale_factor)
+        parts.append((idx, ddl.allreduce_async_(flat, rop, name=name)))
+
+    def finish(_: Any) -> list[torch.Tensor]:
+        out: list[Any] = [None] * len(tensors)
+        for idx, h in parts:
+            flat = h.wait()
+            if postscale_factor != 1.0:
+                flat.mul_(postscale_factor)
+            off = 0
+            for i in idx:
+                n = tensors[i].numel()
+                r = compression.decompress(flat[off:off + n].view(tensors[i].shape), sent[i][1])
+                off += n
+                if inplace:
+                    with torch.no_grad():
+                        tensors[i].copy_(r)
+                    r = tensors[i]
+                out[i] = r
+        return out
+
+    last = parts[-1][1] if parts else _Ready(None)
+    return Handle(last, finish, name or "grouped_allreduce")
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: type[Compressor] = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None
+                      ) -> list[torch.Tensor]:
+    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                          compression, False, process_set).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: Any = None) -> Handle:
+    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                          Compression.none, False, process_set)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: Any = None
+                       ) -> list[torch.Tensor]:
+    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                          Compression.none, True, process_set).wait()
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = None) -> Handle:
+    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                          Compression.none, True, process_set)
+
+
+# ------------------------------------------------------- allgather, broadcast
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: Any = None) -> Any:
+    _check_process_set(process_set)
+    return ddl.allgather_async(tensor if tensor.dim() else tensor.reshape(1), name=name)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: Any = None) -> torch.Tensor:
+    """Concatenation of every rank's ``tensor`` along dimension 0 (sizes may differ)."""
+    return allgather_async(tensor, name, process_set).wait()
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: Any = None) -> list[torch.Tensor]:
+    handles = [allgather_async(t, name, process_set) for t in tensors]
+    return [h.wait() for h in handles]
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = None) -> Any:
+    _check_process_set(process_set)
+    return ddl.broadcast_async(tensor, root_rank, name=name)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = None) -> torch.Tensor:
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    _check_process_set(process_set)
+    return ddl.broadcast_async_(tensor, root_rank, name=name)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = None) -> torch.Tensor:
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+# ------------------------------------------------- alltoall, reduce_scatter
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+             name: str | None = None, process_set: Any = None) -> Any:
+    """Send ``splits[j]`` rows to rank ``j``; returns the rows received (and, when
+    ``splits`` is given, how many came from each rank), like Horovod."""
+    _check_process_set(process_set)
+    s = None if splits is None else [int(x) for x in (
+        splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    out, received = collectives.alltoall(tensor, s)
+    return out if splits is None else (out, received)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None,
+                   name: str | None = None, process_set: Any = None) -> Any:
+    return _Ready(alltoall(tensor, splits, name, process_set))
+
+
+def reduce_scatter(tensor: torch.Tensor, op: Any = None, name: str | None = None,
+                   process_set: Any = None) -> torch.Tensor:
+    """Reduce over ranks, then this rank's block of dimension 0 (``ddl.split_rows``)."""
+    _check_process_set(process_set)
+    return ddl.reduce_scatter(tensor, _op(None, op), name=name)
+
+
+def reduce_scatter_async(tensor: torch.Tensor, op: Any = None, name: str | None = None,
+                         process_set: Any = None) -> Any:
+    _check_process_set(process_set)
+    return ddl.reduce_scatter_async(tensor, _op(None, op), name=name)
+
+
+# --------------------------------------------------------------- join, barrier
+def barrier(process_set: Any = None) -> None:
+    _check_process_set(process_set)
+    ddl.barrier()
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank has called ``join()``; return the rank that arrived last.
+
+    Unlike Horovod, a rank that has joined does not serve the allreduces of ranks still
+    training (the core has no coordinator to tell it which): every rank must call ``join``
+    at the same point of its sequence of collectives, so give ranks equal numbers of
+    batches (``DistributedSampler(drop_last=True)``).
+    """
+    arrived = ddl.allgather(np.asarray([time.time()], dtype=np.float64))
+    return int(np.argmax(arrived))
+
+
+# ------------------------------------------------------------------- objects
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    _check_process_set(process_set)
+    return collectives.broadcast_object(obj, root_rank)
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    _check_process_set(process_set)
+    return collectives.allgather_object(obj)

@@ -1,0 +1,442 @@
+"""Horovod's ``DistributedOptimizer`` on the ddl core.
+
+Each parameter gets a post-accumulate-grad hook. When every gradient of a fusion bucket is
+ready (after ``backward_passes_per_step`` passes), the bucket is packed (and compressed) into
+its fusion buffer and its allreduce is queued with ``ddl.allreduce_async_``, so
+communication overlaps the rest of backward. ``synchronize()`` (called by ``step()``)
+launches what is left, waits, and unpacks the averaged gradients into ``p.grad``.
+
+Buckets come from :mod:`ddl.torch.fusion` and are launched strictly in plan order, which is
+what keeps every rank's sequence of collectives identical without a coordinator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import ddl
+
+from . import fusion
+from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from .settings import cycle_time_ms as _default_cycle_ms
+from .settings import fusion_threshold_bytes as _default_threshold
+
+_NUMPY = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
+    torch.int64: np.int64, torch.bool: np.bool_, torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+# Rank 0 times the hooks of this many steps' backward passes before the plan is refined
+# (the first step carries one-off costs: allocator warm-up, lazy module init).
+_REPLAN_AFTER_STEPS = 2
+
+
+def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat fusion buffer. On the CPU it lives in ddl's shared memory (``ddl.malloc``), so
+    the allreduce reads and writes it in place instead of staging copies."""
+    if device.type == "cpu" and ddl.is_initialized():
+        try:
+            if dtype == torch.bfloat16:
+                return torch.from_numpy(ddl.malloc((numel,), np.uint16)).view(torch.bfloat16)
+            if dtype in _NUMPY:
+                return torch.from_numpy(ddl.malloc((numel,), _NUMPY[dtype]))
+        except ddl.DDLError:
+            pass  # heap exhausted or unusable: an ordinary buffer still works, just slower
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _resolve_op(op: Any) -> ddl.ReduceOp:
+    if op is None:
+        return ddl.Average
+    if isinstance(op, ddl.ReduceOp):
+        return op
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("ddl.torch: Adasum is not implemented; use op=hvd.Average")
+    from ddl.ops import parse_op
+
+    return parse_op(op)
+
+
+def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None
+           ) -> list[tuple[str, torch.Tensor]]:
+    """Validate ``named_parameters`` like Horovod and return (name, param) for every
+    parameter of the optimizer, in its order."""
+    params, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+        raise ddl.DDLConfigError(
+            "named_parameters should be a sequence of (name, parameter) tuples, "
+            "usually model.named_parameters()"
+        )
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ddl.DDLConfigError(f"parameter names in named_parameters must be unique: {dups}")
+    name_of = {id(p): n for n, p in named}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in name_of]
+    if unnamed:
+        raise ddl.DDLConfigError(
+            f"named_parameters was given, but {len(unnamed)} parameter(s) of the optimizer "
+            f"(positions {unnamed[:5]}) are not in it: pass model.named_parameters() of the "
+            "model whose parameters the optimizer updates"
+        )
+    return [(name_of[id(p)], p) for p in params]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Same arguments as ``horovod.torch.DistributedOptimizer``, plus the fusion settings:
+    ``fusion_threshold_bytes`` (default ``DDL_FUSION_THRESHOLD``, 128 MiB; 0 disables
+    fusion) and ``cycle_time_ms`` (default ``DDL_CYCLE_TIME``, 1 ms; 0 keeps the
+    size-only plan). The wrapper shares ``param_groups``/``state`` with ``optimizer``, so LR
+    schedulers and checkpoints work on either.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        compression: type[Compressor] = Compression.none,
+        backward_passes_per_step: int = 1,
+        op: Any = ddl.Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Sequence[Sequence[torch.Tensor]] | None = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = None,
+        *,
+        fusion_threshold_bytes: int | None = None,
+        cycle_time_ms: float | None = None,
+    ) -> None:
+        from .mpi_ops import _check_process_set
+
+        _check_process_set(process_set)
+        if not ddl.is_initialized():
+            raise ddl.DDLError("call hvd.init() (ddl.torch.init()) before DistributedOptimizer")
+        if backward_passes_per_step < 1:
+            raise ddl.DDLConfigError(
+                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        op = _resolve_op(op)
+        if gradient_predivide_factor != 1.0 and op is not ddl.Average:
+            raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average")
+        if num_groups and groups is not None:
+            raise ddl.DDLConfigError("pass num_groups or groups, not both")
+        self._init_optimizer_base()
+        self._opt = optimizer
+        self._compression = compression
+        self._bpps = backward_passes_per_step
+        self._sparse_as_dense = sparse_as_dense
+        # Horovod's predivide: sum (grad / f) then scale by f / size, which is an average
+        # computed with smaller intermediate values (fp16 overflow).
+        if gradient_predivide_factor != 1.0:
+            self._op = ddl.Sum
+            self._prescale = 1.0 / gradient_predivide_factor
+            self._postscale = gradient_predivide_factor / ddl.size()
+        else:
+            self._op, self._prescale, self._postscale = op, 1.0, 1.0
+        self._threshold = (_default_threshold() if fusion_threshold_bytes is None
+                           else int(fusion_threshold_bytes))
+        self._cycle_s = (_default_cycle_ms() if cycle_time_ms is None
+                         else float(cycle_time_ms)) / 1000.0
+        named = _named(optimizer, named_parameters)
+        self._names = [n for n, p in named if p.requires_grad]
+        self._params = [p for _, p in named if p.requires_grad]  # frozen ones never sync
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        # Plain copies are exact and need no temporary for the built-in compressors.
+        self._fast = compression in (NoneCompressor, FP16Compressor)
+        self._keys = [self._key(p) for p in self._params]
+        self._numels = [p.numel() for p in self._params]
+        self._itemsizes = [torch.empty(0, dtype=k[0]).element_size() for k in self._keys]
+        self._fixed_groups = self._explicit_groups(num_groups, groups)
+        self._lock = threading.Lock()
+        self._set_plan(self._initial_plan())
+        self._ready_at = [float("nan")] * len(self._params)
+        self._steps = 0
+        self._replanned = self._fixed_groups is not None or self._cycle_s <= 0
+        self._should_synchronize = True
+        self._synchronized = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self._params)]
+
+    # ------------------------------------------------------------------ plumbing
+    def _init_optimizer_base(self) -> None:
+        # torch.optim.Optimizer.__init__ would build param groups of its own; the wrapper
+        # shares the wrapped optimizer's instead (see the properties), so only the hook
+        # tables the base class uses are set up here.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._opt.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._opt.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._opt.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._opt.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._opt.defaults = value
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._opt
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._opt!r}, buckets={len(self._plan)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("DistributedOptimizer cannot be pickled; save optimizer.state_dict()")
+
+    def _key(self, p: torch.Tensor) -> tuple[torch.dtype, str]:
+        if self._compression is NoneCompressor:
+            dtype = p.dtype
+        elif self._compression is FP16Compressor:
+            dtype = torch.float16 if p.dtype.is_floating_point else p.dtype
+        else:
+            dtype = self._compression.compress(torch.empty(0, dtype=p.dtype,
+                                                           device=p.device))[0].dtype
+        return dtype, str(p.device)
+
+    def _explicit_groups(self, num_groups: int, groups: Sequence[Sequence[torch.Tensor]] | None
+                         ) -> list[list[int]] | None:
+        if num_groups:
+            return fusion.split_evenly(len(self._params), num_groups)
+        if groups is None:
+            return None
+        out, seen = [], set()
+        for g in groups:
+            idx = []
+            for p in g:
+                i = self._index.get(id(p))
+                if i is None:
+                    raise ddl.DDLConfigError("groups contains a tensor that is not a trainable "
+                                             "parameter of the optimizer")
+                idx.append(i)
+            seen.update(idx)
+            out.append(idx)
+        rest = [i for i in range(len(self._params)) if i not in seen]
+        if rest:  # Horovod: parameters outside every group are reduced one by one
+            out.extend([i] for i in rest)
+        return out
+
+    def _initial_plan(self) -> list[fusion.Bucket]:
+        if self._fixed_groups is not None:
+            return fusion.plan_groups(self._fixed_groups, self._numels, self._keys)
+        return fusion.plan_buckets(self._numels, self._itemsizes, self._keys, self._threshold)
+
+    def _set_plan(self, plan: list[fusion.Bucket]) -> None:
+        self._plan = plan
+        self._bucket_of = [0] * len(self._params)
+        for b, bucket in enumerate(plan):
+            for i in bucket.members:
+                self._bucket_of[i] = b
+        self._buffers: list[torch.Tensor | None] = [None] * len(plan)
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._counts = [0] * len(self._params)
+        self._waiting = [len(b.members) for b in self._plan]
+        self._handles: list[Any] = [None] * len(self._plan)
+        self._ctx: dict[int, Any] = {}
+        self._next = 0  # next bucket to launch: launches go strictly in plan order
+
+    # --------------------------------------------------------------------- hooks
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self._should_synchronize:
+                return
+            with self._lock:
+                self._counts[i] += 1
+                if self._counts[i] > self._bpps:
+                    raise ddl.DDLError(
+                        f"gradient of {self._names[i]!r} was computed more than "
+                        f"backward_passes_per_step={self._bpps} times before step(): call "
+                        "step() (or synchronize()) after each backward, or raise "
+                        "backward_passes_per_step to accumulate gradients locally"
+                    )
+                if self._counts[i] < self._bpps:
+                    return
+                self._ready_at[i] = time.perf_counter()
+                b = self._bucket_of[i]
+                self._waiting[b] -= 1
+                while self._next < len(self._plan) and self._waiting[self._next] == 0:
+                    self._launch(self._next)
+                    self._next += 1
+
+        return hook
+
+    def _launch(self, b: int) -> None:
+        bucket = self._plan[b]
+        buf = self._buffers[b]
+        if buf is None:
+            dtype, device = bucket.key
+            buf = self._buffers[b] = _buffer(bucket.numel, dtype, torch.device(device))
+        with torch.no_grad():
+            for i, off in zip(bucket.members, bucket.offsets):
+                p = self._params[i]
+                g = p.grad
+                if g is None:
+                    # Unused on this rank (or everywhere): contribute zeros, as Horovod does,
+                    # so the peers' collective still matches.
+                    g = p.grad = torch.zeros_like(p)
+                elif g.is_sparse:
+                    if not self._sparse_as_dense:
+                        raise ddl.DDLConfigError(
+                            f"gradient of {self._names[i]!r} is sparse: pass "
+                            "sparse_as_dense=True to DistributedOptimizer")
+                    g = p.grad = g.to_dense()
+                dst = buf[off:off + self._numels[i]]
+                if self._fast:
+                    if g.data_ptr() != dst.data_ptr():  # else: accumulated in place already
+                        dst.copy_(g.reshape(-1))  # casts to float16 for Compression.fp16
+                else:
+                    c, self._ctx[i] = self._compression.compress(g)
+                    dst.copy_(c.reshape(-1))
+            if self._prescale != 1.0:
+                buf.mul_(self._prescale)
+        self._handles[b] = ddl.allreduce_async_(buf, self._op, name=f"grad.bucket{b}")
+
+    def _unpack(self, b: int) -> None:
+        bucket, buf = self._plan[b], self._buffers[b]
+        with torch.no_grad():
+            if self._postscale != 1.0:
+                buf.mul_(self._postscale)
+            for i, off in zip(bucket.members, bucket.offsets):
+                p = self._params[i]
+                src = buf[off:off + self._numels[i]].view(p.shape)
+                if self._fast and src.dtype == p.dtype and src.device == p.device:
+                    # The averaged gradient becomes a view of the fusion buffer (DDP's
+                    # gradient_as_bucket_view): no copy out, and a backward that accumulates
+                    # into it writes straight into the buffer for the next exchange.
+                    p.grad = src
+                elif self._fast:
+                    p.grad.copy_(src)
+                else:
+                    p.grad.copy_(self._compression.decompress(src, self._ctx.get(i)))
+
+    # ----------------------------------------------------------------- public API
+    def synchronize(self) -> None:
+        """Finish every gradient allreduce of this step; ``p.grad`` then holds the result."""
+        with self._lock:
+            while self._next < len(self._plan):
+                self._launch(self._next)
+                self._next += 1
+        try:
+            for b, h in enumerate(self._handles):
+                h.wait()
+                self._unpack(b)
+        finally:
+            ready = list(self._ready_at)
+            self._reset_step()
+        self._synchronized = True
+        self._steps += 1
+        if not self._replanned and self._steps >= _REPLAN_AFTER_STEPS:
+            self._replan(ready)
+
+    def _replan(self, ready: list[float]) -> None:
+        # Every rank gets here at the same step; rank 0's timing decides for all, so the
+        # plans are identical.
+        t = np.asarray(ready, dtype=np.float64)
+        known = t[np.isfinite(t)]
+        if known.size:
+            t = np.where(np.isfinite(t), t - known.min(), known.max() - known.min() + 1.0)
+        else:
+            t = np.zeros_like(t)
+        ddl.broadcast_(t, 0, name="DistributedOptimizer.plan")
+        self._replanned = True
+        plan = fusion.plan_buckets(self._numels, self._itemsizes, self._keys, self._threshold,
+                                   ready_times=t.tolist(), cycle_time_s=self._cycle_s)
+        if plan != self._plan:
+            self._set_plan(plan)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` without synchronizing: for when you called ``synchronize()`` yourself
+        (e.g. to clip the averaged gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() after "
+                    "optimizer.synchronize(): gradients are allreduced twice this step",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._synchronized = False
+        return self._opt.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(h is not None for h in self._handles):
+            raise ddl.DDLError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): allreduces of this step's "
+                "gradients are in flight"
+            )
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "DistributedOptimizer.add_param_group: add the group to the optimizer before "
+            "wrapping it"
+        )
+
+    @property
+    def buckets(self) -> list[fusion.Bucket]:
+        """The current fusion plan (for inspection and tests)."""
+        return list(self._plan)
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the wrapper stops working)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,14 @@
+"""The environment variables ddl.torch reads; they live in the core's one registry
+(``ddl.config``). Arguments to ``DistributedOptimizer`` override both."""
+
+from __future__ import annotations
+
+from ddl import config
+
+
+def fusion_threshold_bytes() -> int:
+    return int(config.get("DDL_FUSION_THRESHOLD"))
+
+
+def cycle_time_ms() -> float:
+    return float(config.get("DDL_CYCLE_TIME"))

@@ -1,0 +1,28 @@
+"""A torchrun-style script (gloo, env://, RANK/LOCAL_RANK from the environment, DDP): it must
+run unchanged under ddlrun."""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="env://")
+rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+world = int(os.environ["WORLD_SIZE"])
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8) * (rank + 1)).sum().backward()
+    opt.step()
+w = model.module.weight.detach().clone()
+ws = [torch.empty_like(w) for _ in range(world)]
+dist.all_gather(ws, w)
+print(json.dumps({"rank": rank, "local_rank": local_rank, "world": world,
+                  "backend": dist.get_backend(),
+                  "identical": all(torch.equal(x, w) for x in ws)}), flush=True)
+dist.destroy_process_group()
