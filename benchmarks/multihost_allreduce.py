@@ -69,7 +69,7 @@ def run(cluster: Cluster, engine: str, nhosts: int, per: int, sizes: str, reps: 
     if dumps:
         print(f"# {engine} per-dimension time (-dump_iter, rank 0): {dumps[-1]}")
     out = []
-    for m in re.finditer(r"^(?:\[\d+\] )?(\{.*\})$", res.stdout, re.M):
+    for m in re.finditer(r"^(?:\[[\d,]+\](?:<stdout>)?:? ?)?(\{.*\})$", res.stdout, re.M):
         d = json.loads(m.group(1))
         out.append(Result(engine, d["ranks"], d["bytes"], d["median"], tuple(d["times"]),
                           d["correct"]))
