@@ -40,6 +40,13 @@ def init() -> None:
         opts = options.parse(config.get("DDL_OPTIONS"))
         options.check_grid(opts, world.size)
         engine = _make_engine(world, opts)
+        if opts.dbg_level and world.rank == 0:
+            import sys
+
+            desc = engine.describe() if hasattr(engine, "describe") else engine.name
+            print(f"[ddl] {world.size} ranks on {world.num_hosts} host(s), engine "
+                  f"{engine.name}: {desc}; options {opts.to_string() or '(none)'}",
+                  file=sys.stderr, flush=True)
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
 
 

@@ -93,3 +93,11 @@ def test_cost_model_multidim_moves_fewer_bytes_across_hosts():
     hier = cost.multidim_time([("shm", 2, shm), ("ring", 2, net)], 64 << 20)
     assert hier < flat
     assert cost.pipelined_time([("shm", 2, shm), ("ring", 2, net)], 64 << 20, 16) < hier
+
+
+def test_simulate_prints_a_prediction_per_size(capsys):
+    from ddl.perf.cli import main
+
+    assert main(["simulate", "--grid", "4x8", "--sizes", "1M,64M"]) == 0
+    out = capsys.readouterr().out
+    assert "grid 4x8 = 32 ranks" in out and len(out.strip().splitlines()) == 4
