@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from .. import cost
-from ..dtypes import DType
+from ..dtypes import BY_NAME, DType
 from ..ops import ReduceOp
 from . import ring
 
@@ -119,7 +119,7 @@ class GroupDim:
             times[alg] = (time.perf_counter() - t) / reps
         agreed = np.array([times[a] for a in self.candidates()], np.float64)
         self.fixed = "native"
-        self.group.allreduce(agreed, _F64, ReduceOp.MAX)
+        self.group.allreduce(agreed, BY_NAME["float64"], ReduceOp.MAX)
         times = dict(zip(self.candidates(), agreed.tolist(), strict=True))
         self.fixed = min(times, key=lambda a: (times[a], a))
         return times
@@ -127,7 +127,3 @@ class GroupDim:
     def close(self) -> None:
         self.group.close()
 
-
-from ..dtypes import BY_NAME as _BY_NAME  # noqa: E402
-
-_F64 = _BY_NAME["float64"]

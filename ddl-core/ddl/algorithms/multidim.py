@@ -25,15 +25,6 @@ from ..ops import ReduceOp, reduce_into
 from .dims import split
 
 
-class _Stage:
-    """One (dimension, chunk) step's completion, which may also carry a failure."""
-
-    __slots__ = ("event",)
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-
 class MultiDim:
     def __init__(self, dims: list, world_size: int, rank: int, *, chunk_bytes: int,
                  timeout: float, dump_iter: int = 0, label: str = ""):
@@ -87,13 +78,13 @@ class MultiDim:
                 counts[j][i] = split(v.size, d.size)
                 o = sum(counts[j][i][: d.rank])
                 v = v[o : o + counts[j][i][d.rank]]
-        ready = [[_Stage() for _ in range(C)] for _ in range(k)]  # reduce-scattered
-        done = [[_Stage() for _ in range(C)] for _ in range(k)]  # fully reduced again
+        ready = [[threading.Event() for _ in range(C)] for _ in range(k)]  # reduce-scattered
+        done = [[threading.Event() for _ in range(C)] for _ in range(k)]  # fully reduced again
         failure: list[BaseException] = []
 
-        def wait(stage: _Stage) -> None:
+        def wait(stage: threading.Event) -> None:
             deadline = time.monotonic() + self.timeout * 2 + 5
-            while not stage.event.wait(0.05):
+            while not stage.wait(0.05):
                 if failure:
                     raise _Abandon()
                 if time.monotonic() > deadline:
@@ -111,18 +102,18 @@ class MultiDim:
                         wait(ready[j - 1][i])
                     if last:
                         self._timed(j, d.allreduce, views[j][i], dt, op)
-                        done[j][i].event.set()
+                        done[j][i].set()
                         continue
                     self._timed(j, d.reduce_scatter, views[j][i], counts[j][i], dt, op)
-                    ready[j][i].event.set()
+                    ready[j][i].set()
                     if i:
                         wait(done[j + 1][i - 1])
                         self._timed(j, d.allgather, views[j][i - 1], counts[j][i - 1], dt)
-                        done[j][i - 1].event.set()
+                        done[j][i - 1].set()
                 if not last:
                     wait(done[j + 1][C - 1])
                     self._timed(j, d.allgather, views[j][C - 1], counts[j][C - 1], dt)
-                    done[j][C - 1].event.set()
+                    done[j][C - 1].set()
             except _Abandon:
                 pass
             except BaseException as exc:  # handed to the caller below

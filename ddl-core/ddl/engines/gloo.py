@@ -128,8 +128,7 @@ class GlooGroup:
         self._wait([lambda: self.pg.allreduce([t], opts).wait()],
                    f"allreduce({dt.name}[{buf.size}])")
         if op is ReduceOp.AVERAGE:
-            np.divide(buf, self.size, out=buf, casting="unsafe") if dt.name != "bfloat16" else \
-                t.div_(self.size)
+            t.div_(self.size)  # on the tensor view: right for bfloat16 too
 
     def broadcast(self, buf: np.ndarray, dt: DType, root: int) -> None:
         if buf.size == 0:
