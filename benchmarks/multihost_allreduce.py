@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+MODE = "b"  # --mode: the letters ddl-md runs with
 sys.path.insert(0, str(REPO / "tests" / "launcher"))
 from netns_cluster import IFACE, Cluster, unavailable  # noqa: E402
 
@@ -47,7 +48,7 @@ def run(cluster: Cluster, engine: str, nhosts: int, per: int, sizes: str, reps: 
     plugin = {"ddl-md": "ddl", "ddl-flat": "ddl", "mpi-noh": "mpi"}.get(engine, engine)
     opts = list(extra)
     if engine == "ddl-md":
-        opts += ["-m", f"b:{per}x{nhosts}", "--ddloption", "-dump_iter 20"]
+        opts += ["-m", f"{MODE}:{per}x{nhosts}", "--ddloption", "-dump_iter 20"]
     elif engine in ("ddl-flat", "gloo"):
         opts += ["--no_ddloptions"]
     if engine.startswith("mpi"):
@@ -87,7 +88,10 @@ def main() -> int:
     ap.add_argument("--engines", default="ddl-md,ddl-flat,gloo,mpi,mpi-noh")
     ap.add_argument("--json")
     ap.add_argument("--env", action="append", default=[], help="KEY=VAL for every rank")
+    ap.add_argument("--mode", default="b", help="DDL mode letters for ddl-md (r, n, b, p)")
     a = ap.parse_args()
+    global MODE
+    MODE = a.mode
     why = unavailable()
     if why:
         print(f"cannot run: {why}", file=sys.stderr)

@@ -41,6 +41,11 @@ def allreduce_time(alg: str, n: int, nbytes: float, link: Link) -> float:
         steps = 2 * (n - 1)
     else:
         raise ValueError(f"unknown algorithm {alg!r}")
+    if alg == "native":
+        # The engine's own collective (Gloo's, MPI's) overlaps reducing one piece with
+        # receiving the next; ddl's ring and halving-doubling reduce between exchanges.
+        # Measured on 2 hosts x 2 ranks at 1 Gbit/s: native 1.06-1.12x faster than hd.
+        reduced = 0.0
     return steps * link.alpha + wire * link.beta + reduced * link.gamma
 
 

@@ -101,3 +101,10 @@ def test_simulate_prints_a_prediction_per_size(capsys):
     assert main(["simulate", "--grid", "4x8", "--sizes", "1M,64M"]) == 0
     out = capsys.readouterr().out
     assert "grid 4x8 = 32 ranks" in out and len(out.strip().splitlines()) == 4
+
+
+def test_cost_model_prefers_the_engines_pipelined_collective_when_steps_tie():
+    # 2 ranks: ring, hd and native take the same steps; native hides its reduction
+    assert cost.best(["ring", "native", "hd"], 2, 64 << 20, cost.NETWORK) == "native"
+    # many ranks, tiny message: halving-doubling's log2(n) steps win
+    assert cost.best(["ring", "native", "hd"], 64, 1024, cost.NETWORK) == "hd"
