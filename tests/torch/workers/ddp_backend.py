@@ -3,11 +3,13 @@ DDP on gloo (same job, same seed, same data), new_group, and clear errors."""
 
 import copy
 import json
+import os
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddl
 import ddl.torch  # noqa: F401 - registers the "ddl" backend
 
 torch.set_num_threads(1)
@@ -113,6 +115,13 @@ same = [torch.empty_like(flat) for _ in range(N)]
 dist.all_gather(same, flat)
 ok["ddp_ranks_identical"] = all(torch.equal(s, flat) for s in same)
 ok["ddp_vs_gloo"] = diff <= 1e-6
+del models, opts, nets  # DDP wrappers before their process groups
 dist.destroy_process_group()
 print(json.dumps({"rank": R, "failed": [k for k, v in ok.items() if not v], "diff": diff,
-                  "bitwise": bitwise}))
+                  "bitwise": bitwise}), flush=True)
+# Rarely (about 1 run in 10 in CI), torch aborted here during interpreter teardown
+# ("terminate called without an active exception") after everything above had finished, in
+# this job that mixes DDP on gloo and on ddl. Leave without running C++ static destructors.
+# The root cause is not found yet; the closing note of the session that added this says so.
+ddl.shutdown()
+os._exit(0)
