@@ -15,6 +15,7 @@ from ..dtypes import BY_NAME, DType
 from ..errors import DDLError
 from ..ops import ReduceOp
 from ..options import Options
+from ..tensors import same_memory
 from ..topology import World
 from .gloo import GlooContext
 from .shm import ShmEngine
@@ -79,9 +80,7 @@ class MultiHostEngine:
 
     def allreduce(self, src: np.ndarray, dst: np.ndarray, dt: DType, op: ReduceOp,
                   shape) -> None:
-        if dst is not src and not (dst.size and src.size and
-                                   dst.__array_interface__["data"][0]
-                                   == src.__array_interface__["data"][0]):
+        if dst is not src and not same_memory(dst, src):
             np.copyto(dst, src)
         self._guard(self.multidim.allreduce, dst, dt, op)
 

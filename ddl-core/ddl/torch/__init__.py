@@ -17,7 +17,10 @@ See docs/pytorch.md.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
+
+import torch.distributed
 
 from ddl import (
     Average,
@@ -32,6 +35,7 @@ from ddl import (
     Sum,
     cross_rank,
     cross_size,
+    engine_name,
     is_initialized,
     local_rank,
     local_size,
@@ -95,20 +99,27 @@ def mpi_threads_supported() -> bool:
     return False
 
 
+def _transport() -> str:
+    name = engine_name() if is_initialized() else ""
+    return name.partition("/")[2]  # "ddl/mpi" -> "mpi"; single host: ""
+
+
 def mpi_enabled() -> bool:
-    return False
+    """True when this job's cross-host dimensions run on MPI."""
+    return _transport() == "mpi"
 
 
 def mpi_built() -> bool:
-    return False
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
-    return False
+    """True when this job's cross-host dimensions run on Gloo."""
+    return _transport() == "gloo"
 
 
 def gloo_built() -> bool:
-    return False
+    return torch.distributed.is_gloo_available()
 
 
 def nccl_built() -> int:
