@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import config, grid, options, tensors
+from .devices import DeviceRouter
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError
 from .ops import Average, ReduceOp, check_op, parse_op
@@ -25,6 +26,7 @@ _world: World | None = None
 _engine: Any = None
 _runtime: Runtime | None = None
 _options: options.Options | None = None
+_devices: DeviceRouter | None = None
 
 
 # ------------------------------------------------------------------------ lifecycle
@@ -32,7 +34,7 @@ def init() -> None:
     """Join the job described by the launch environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, ...; see docs/api.md). Without one, this process is a 1-rank world.
     Calling it again is a no-op."""
-    global _world, _engine, _runtime, _options
+    global _world, _engine, _runtime, _options, _devices
     with _lock:
         if _world is not None:
             return
@@ -48,6 +50,20 @@ def init() -> None:
                   f"{engine.name}: {desc}; options {opts.to_string() or '(none)'}",
                   file=sys.stderr, flush=True)
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
+        _devices = DeviceRouter(world, opts, _rendezvous)
+
+
+def _rendezvous():
+    """ddl's TCP store: the multi-host engine's when it has one, else one made now (all
+    ranks get here at the same point: the first collective on a device tensor)."""
+    ctx = getattr(_engine, "ctx", None)
+    store = getattr(ctx, "store", None)
+    if store is not None:
+        return store
+    from .engines.gloo import GlooContext
+
+    return GlooContext(_world.rank, _world.size, config.get("MASTER_ADDR"), _port(),
+                       config.get("DDL_TIMEOUT")).store
 
 
 def _shm_kwargs() -> dict:
@@ -78,7 +94,7 @@ def _make_engine(world: World, opts: options.Options):
                          **_shm_kwargs())
     from .engines.multihost import MultiHostEngine
 
-    port = config.get("DDL_PORT") or config.get("MASTER_PORT") + 1
+    port = _port()
     transport = config.get("DDL_TRANSPORT")
     if transport == "auto":
         transport = "mpi" if world.launched_by_mpi and _have("mpi4py") else "gloo"
@@ -89,6 +105,10 @@ def _make_engine(world: World, opts: options.Options):
                            shm_kwargs=_shm_kwargs())
 
 
+def _port() -> int:
+    return config.get("DDL_PORT") or config.get("MASTER_PORT") + 1
+
+
 def _have(module: str) -> bool:
     import importlib.util
 
@@ -97,7 +117,7 @@ def _have(module: str) -> bool:
 
 def shutdown() -> None:
     """Finish queued work and release shared memory. Safe to call more than once."""
-    global _world, _engine, _runtime
+    global _world, _engine, _runtime, _devices
     with _lock:
         if _world is None:
             return
@@ -105,8 +125,11 @@ def shutdown() -> None:
             if _runtime is not None:
                 _runtime.close()
         finally:
-            _engine.close()
-            _world, _engine, _runtime = None, None, None
+            try:
+                _devices.close()
+            finally:
+                _engine.close()
+                _world, _engine, _runtime, _devices = None, None, None, None
 
 
 atexit.register(shutdown)
@@ -189,6 +212,9 @@ def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, t
 def _plan_allreduce(tensor, op, out, inplace: bool) -> Callable[[], Any]:
     _w()
     op = parse_op(op)
+    backend = _devices.backend_for(tensor, op)
+    if backend:
+        return _devices.plan_allreduce(backend, tensor, op, out, inplace)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
     result, g = _output(f, out, inplace, "allreduce")
@@ -225,15 +251,23 @@ def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None =
 
 
 def _rows(f: tensors.Flat, what: str) -> tuple[int, tuple[int, ...], int]:
-    if not f.shape:
+    return _rows_of(f.shape, what)
+
+
+def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], int]:
+    if not shape:
         raise DDLConfigError(f"{what} needs a tensor with at least one dimension, got a 0-d one")
-    row_shape = tuple(f.shape[1:])
+    row_shape = tuple(shape[1:])
     row = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
-    return f.shape[0], row_shape, row
+    return shape[0], row_shape, row
 
 
 def _plan_allgather(tensor) -> Callable[[], Any]:
     _w()
+    backend = _devices.backend_for(tensor)
+    if backend:
+        _, row_shape, row = _rows_of(tuple(tensor.shape), "allgather")
+        return _devices.plan_allgather(backend, tensor, row_shape, row)
     f = tensors.flatten(tensor)
     _, row_shape, row = _rows(f, "allgather")
     engine = _engine
@@ -269,6 +303,9 @@ def _plan_broadcast(tensor, root_rank: int, inplace: bool) -> Callable[[], Any]:
     w = _w()
     if not 0 <= root_rank < w.size:
         raise DDLConfigError(f"broadcast: root_rank {root_rank} is outside 0..{w.size - 1}")
+    backend = _devices.backend_for(tensor)
+    if backend:
+        return _devices.plan_broadcast(backend, tensor, root_rank, inplace)
     f = tensors.flatten(tensor)
     if inplace:
         result, g = f.original, f
@@ -311,6 +348,12 @@ def split_rows(rows: int, n: int) -> list[int]:
 def _plan_reduce_scatter(tensor, op) -> Callable[[], Any]:
     w = _w()
     op = parse_op(op)
+    backend = _devices.backend_for(tensor, op)
+    if backend:
+        rows, row_shape, row = _rows_of(tuple(tensor.shape), "reduce_scatter")
+        split = split_rows(rows, w.size)
+        return _devices.plan_reduce_scatter(backend, tensor, op, [c * row for c in split],
+                                            (split[w.rank],) + row_shape)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
     rows, row_shape, row = _rows(f, "reduce_scatter")

@@ -148,6 +148,15 @@ _VARS = [
         "grid line) or 'gloo' (torch); 'auto' takes mpi when mpirun/srun started the job",
     ),
     EnvVar(
+        "DDL_DEVICE_ENGINE",
+        _choice("auto", "nccl", "host", "gloo"),
+        "auto",
+        "engine for torch tensors on a GPU: 'auto' uses NCCL (one group per grid line) when "
+        "torch has it, else stages them through host memory; 'nccl' insists; 'host' always "
+        "stages; 'gloo' sends CPU torch tensors through the same per-line torch groups "
+        "(testing the device path without a GPU)",
+    ),
+    EnvVar(
         "DDL_CHUNK_BYTES",
         _size,
         4 << 20,

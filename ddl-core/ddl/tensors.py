@@ -68,6 +68,11 @@ def flatten(x: Any, *, name: str = "tensor") -> Flat:
     )
 
 
+def dtype_of(t) -> DType:
+    """The ddl dtype of a torch tensor."""
+    return _torch_dtype(t)
+
+
 def _torch_dtype(t) -> DType:
     torch = _torch()
     if t.dtype == torch.bfloat16:

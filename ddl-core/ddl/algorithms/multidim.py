@@ -25,6 +25,24 @@ from ..ops import ReduceOp, reduce_into
 from .dims import split
 
 
+def chunk_plan(n: int, dims, chunk_elems: int) -> list[list[tuple[int, int, list[int]]]]:
+    """Cut ``n`` elements into chunks of ``chunk_elems``; for each chunk, what each dimension
+    works on: (start, end, block counts over its ranks), where dimension j+1 works on this
+    rank's block of dimension j. Pure: the host and device engines share it."""
+    ce = max(1, chunk_elems)
+    out = []
+    for a in range(0, n, ce) if n else [0]:
+        b = min(a + ce, n)
+        segs = []
+        for d in dims:
+            c = split(b - a, d.size)
+            segs.append((a, b, c))
+            a += sum(c[: d.rank])
+            b = a + c[d.rank]
+        out.append(segs)
+    return out
+
+
 class MultiDim:
     def __init__(self, dims: list, world_size: int, rank: int, *, chunk_bytes: int,
                  timeout: float, dump_iter: int = 0, label: str = ""):
@@ -65,19 +83,11 @@ class MultiDim:
 
     def _pipeline(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
         k = len(self.dims)
-        ce = max(1, self.chunk_bytes // dt.itemsize)
-        bounds = [(a, min(a + ce, buf.size)) for a in range(0, buf.size, ce)] or [(0, 0)]
-        C = len(bounds)
-        # segments[j][i]: the view dimension j works on for chunk i, and its counts
-        views: list[list[np.ndarray]] = [[None] * C for _ in range(k)]
-        counts: list[list[list[int]]] = [[None] * C for _ in range(k)]
-        for i, (a, b) in enumerate(bounds):
-            v = buf[a:b]
-            for j, d in enumerate(self.dims):
-                views[j][i] = v
-                counts[j][i] = split(v.size, d.size)
-                o = sum(counts[j][i][: d.rank])
-                v = v[o : o + counts[j][i][d.rank]]
+        plan = chunk_plan(buf.size, self.dims, self.chunk_bytes // dt.itemsize)
+        C = len(plan)
+        # views[j][i]: the part of chunk i dimension j works on; counts[j][i]: its blocks
+        views = [[buf[plan[i][j][0] : plan[i][j][1]] for i in range(C)] for j in range(k)]
+        counts = [[plan[i][j][2] for i in range(C)] for j in range(k)]
         ready = [[threading.Event() for _ in range(C)] for _ in range(k)]  # reduce-scattered
         done = [[threading.Event() for _ in range(C)] for _ in range(k)]  # fully reduced again
         failure: list[BaseException] = []
