@@ -110,9 +110,15 @@ def _port() -> int:
 
 
 def _have(module: str) -> bool:
-    import importlib.util
+    """Importable, not merely present: a broken install (e.g. mpi4py built against an MPI
+    that is gone) must fall back too."""
+    import importlib
 
-    return importlib.util.find_spec(module) is not None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def shutdown() -> None:

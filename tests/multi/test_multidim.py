@@ -72,3 +72,27 @@ def test_rank_killed_on_another_host_makes_everyone_raise():
         assert r["kind"] in ("DDLPeerError", "DDLTimeoutError"), r
         assert r["took"] < 20, "a dead peer across hosts must be noticed long before the timeout"
         assert r["later"] == "DDLError" or r["later"] is not None
+
+
+def _without_mpi4py(tmp_path):
+    shadow = tmp_path / "mpi4py"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('mpi4py is not installed here')\n")
+    return str(tmp_path)
+
+
+def test_mpirun_job_without_mpi4py_falls_back_to_gloo(tmp_path):
+    # launched by mpirun (its env says so) but mpi4py cannot be imported: the cross-host
+    # dimension runs on Gloo instead, with the same results
+    reps = _hosts(4, 2, "-mode b:2x2", "0,3,70001", CHECK_DTYPES=FEW,
+                  PYTHONPATH=_without_mpi4py(tmp_path), OMPI_COMM_WORLD_SIZE="4")
+    assert len(reps) == 4
+
+
+def test_asking_for_mpi_without_mpi4py_is_a_clear_error(tmp_path):
+    pre = [dict(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", DDL_HOST_INDEX=str(r), GROUP_RANK=str(r))
+           for r in range(2)]
+    res = run_worker("collectives.py", 2, "1", per_rank_env=pre,
+                     env=dict(DDL_TRANSPORT="mpi", PYTHONPATH=_without_mpi4py(tmp_path)))
+    assert all(r.returncode != 0 for r in res)
+    assert "the mpi engine needs mpi4py" in res[0].stderr
