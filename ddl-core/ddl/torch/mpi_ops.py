@@ -3,15 +3,17 @@
 Each collective is one function over the core's async call; the blocking and in-place
 spellings wrap it. Handles are ddl handles (``wait()``/``poll()``), so ``hvd.synchronize``
 and ``ddl.synchronize`` both take them.
+
+Every collective here goes through :mod:`ddl.torch.join`: a small control exchange, queued
+with its data, lets ranks that called ``join()`` serve the others (Horovod's semantics) and
+turns ranks calling different collectives into one clear error on every rank.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 import ddl
@@ -19,6 +21,16 @@ from ddl.ops import parse_op
 
 from . import collectives
 from .compression import Compression, Compressor
+from .join import (
+    check_object_collective,
+    run_alltoall,
+    run_barrier,
+    submit_allgather,
+    submit_allreduce,
+    submit_broadcast,
+    submit_reduce_scatter,
+)
+from .join import join as _join
 
 
 class ProcessSet:
@@ -113,13 +125,18 @@ def _op(average: bool | None, op: Any) -> ddl.ReduceOp:
 # ------------------------------------------------------------------- allreduce
 def _allreduce_async(tensor: torch.Tensor, average, name, op, prescale_factor: float,
                      postscale_factor: float, compression: type[Compressor], inplace: bool,
-                     process_set: Any) -> Handle:
+                     process_set: Any, async_: bool = True) -> Handle:
+    """``async_=False`` (the blocking spellings) runs on the caller's thread when nothing
+    is queued, like the core's blocking calls: no hand-off to the worker thread."""
     _check_process_set(process_set)
     rop = _op(average, op)
     sent, ctx = compression.compress(tensor)
     if prescale_factor != 1.0:
         sent = sent * prescale_factor
-    inner = ddl.allreduce_async(sent, rop, name=name)
+    inner = submit_allreduce(sent, rop, name=name or "allreduce", prescale=prescale_factor,
+                             postscale=postscale_factor, async_=async_)
+    if not async_:
+        inner = _Ready(inner)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if postscale_factor != 1.0:
@@ -141,13 +158,13 @@ class _AllreduceFn(torch.autograd.Function):
     def forward(ctx, tensor, op, prescale, postscale, compression, name):
         ctx.args = (op, prescale, postscale, compression)
         return _allreduce_async(tensor, None, name, op, prescale, postscale, compression,
-                                False, None).wait()
+                                False, None, False).wait()
 
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale, compression = ctx.args
         out = _allreduce_async(grad.contiguous(), None, None, op, prescale, postscale,
-                               compression, False, None).wait()
+                               compression, False, None, False).wait()
         return out, None, None, None, None, None
 
 
@@ -162,7 +179,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         return _AllreduceFn.apply(tensor, rop, prescale_factor, postscale_factor, compression,
                                   name)
     return _allreduce_async(tensor, None, name, rop, prescale_factor, postscale_factor,
-                            compression, False, None).wait()
+                            compression, False, None, False).wait()
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -176,7 +193,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
     return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                            Compression.none, True, process_set).wait()
+                            Compression.none, True, process_set, False).wait()
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -200,7 +217,9 @@ def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_
         flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
         if prescale_factor != 1.0:
             flat.mul_(prescale_factor)
-        parts.append((idx, ddl.allreduce_async_(flat, rop, name=name)))
+        parts.append((idx, submit_allreduce(flat, rop, name=name or "grouped_allreduce",
+                                            inplace=True, prescale=prescale_factor,
+                                            postscale=postscale_factor)))
 
     def finish(_: Any) -> list[torch.Tensor]:
         out: list[Any] = [None] * len(tensors)
@@ -261,13 +280,16 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = None) -> Any:
     _check_process_set(process_set)
-    return ddl.allgather_async(tensor if tensor.dim() else tensor.reshape(1), name=name)
+    return submit_allgather(tensor if tensor.dim() else tensor.reshape(1),
+                            name=name or "allgather")
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = None) -> torch.Tensor:
     """Concatenation of every rank's ``tensor`` along dimension 0 (sizes may differ)."""
-    return allgather_async(tensor, name, process_set).wait()
+    _check_process_set(process_set)
+    return submit_allgather(tensor if tensor.dim() else tensor.reshape(1),
+                            name=name or "allgather", async_=False)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -279,23 +301,26 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> Any:
     _check_process_set(process_set)
-    return ddl.broadcast_async(tensor, root_rank, name=name)
+    return submit_broadcast(tensor, root_rank, name=name or "broadcast")
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = None) -> torch.Tensor:
-    return broadcast_async(tensor, root_rank, name, process_set).wait()
+    _check_process_set(process_set)
+    return submit_broadcast(tensor, root_rank, name=name or "broadcast", async_=False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> Any:
     _check_process_set(process_set)
-    return ddl.broadcast_async_(tensor, root_rank, name=name)
+    return submit_broadcast(tensor, root_rank, name=name or "broadcast_", inplace=True)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = None) -> torch.Tensor:
-    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+    _check_process_set(process_set)
+    return submit_broadcast(tensor, root_rank, name=name or "broadcast_", inplace=True,
+                            async_=False)
 
 
 # ------------------------------------------------- alltoall, reduce_scatter
@@ -306,7 +331,28 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     _check_process_set(process_set)
     s = None if splits is None else [int(x) for x in (
         splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    out, received = collectives.alltoall(tensor, s)
+    n, me = ddl.size(), ddl.rank()
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if s is None:
+        if rows % n:
+            raise ddl.DDLConfigError(
+                f"alltoall: dimension 0 has {rows} rows, not divisible by {n} ranks; pass splits"
+            )
+        send = [rows // n] * n
+    else:
+        send = s
+    if len(send) != n or any(x < 0 for x in send) or sum(send) != rows:
+        raise ddl.DDLConfigError(
+            f"alltoall: splits {send} must be {n} non-negative counts summing to {rows}"
+        )
+    table, data = run_alltoall(tensor, send, name=name or "alltoall")
+    pieces, start = [], 0
+    for i in range(n):  # table[i][j]: rows rank i sends to rank j, in j order
+        off = start + int(table[i, :me].sum())
+        pieces.append(data[off:off + int(table[i, me])])
+        start += int(table[i].sum())
+    out = torch.cat(pieces).reshape((-1,) + tuple(tensor.shape[1:]))
+    received = torch.from_numpy(table[:, me].copy())
     return out if splits is None else (out, received)
 
 
@@ -319,40 +365,42 @@ def reduce_scatter(tensor: torch.Tensor, op: Any = None, name: str | None = None
                    process_set: Any = None) -> torch.Tensor:
     """Reduce over ranks, then this rank's block of dimension 0 (``ddl.split_rows``)."""
     _check_process_set(process_set)
-    return ddl.reduce_scatter(tensor, _op(None, op), name=name)
+    return submit_reduce_scatter(tensor, _op(None, op), name=name or "reduce_scatter",
+                                 async_=False)
 
 
 def reduce_scatter_async(tensor: torch.Tensor, op: Any = None, name: str | None = None,
                          process_set: Any = None) -> Any:
     _check_process_set(process_set)
-    return ddl.reduce_scatter_async(tensor, _op(None, op), name=name)
+    return submit_reduce_scatter(tensor, _op(None, op), name=name or "reduce_scatter_async")
 
 
 # --------------------------------------------------------------- join, barrier
 def barrier(process_set: Any = None) -> None:
     _check_process_set(process_set)
-    ddl.barrier()
+    run_barrier()
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join()``; return the rank that arrived last.
-
-    Unlike Horovod, a rank that has joined does not serve the allreduces of ranks still
-    training (the core has no coordinator to tell it which): every rank must call ``join``
-    at the same point of its sequence of collectives, so give ranks equal numbers of
-    batches (``DistributedSampler(drop_last=True)``).
+    """Horovod's ``join``: this rank has no more data. Until every rank has called it, this
+    rank keeps taking part in the collectives the others issue (allreduce with zeros, so
+    Average still divides by ``size()``; allgather with no rows), which is what lets ranks
+    with fewer batches stop early under a DistributedOptimizer. Returns, on every rank, the
+    rank that joined last. A broadcast from a joined root raises on the running ranks.
+    ``device`` is accepted for compatibility (the zeros live in host memory).
     """
-    arrived = ddl.allgather(np.asarray([time.time()], dtype=np.float64))
-    return int(np.argmax(arrived))
+    return _join(device)
 
 
 # ------------------------------------------------------------------- objects
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
     _check_process_set(process_set)
+    check_object_collective("broadcast_object", root_rank)
     return collectives.broadcast_object(obj, root_rank)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     _check_process_set(process_set)
+    check_object_collective("allgather_object")
     return collectives.allgather_object(obj)

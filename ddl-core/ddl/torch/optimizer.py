@@ -2,12 +2,14 @@
 
 Each parameter gets a post-accumulate-grad hook. When every gradient of a fusion bucket is
 ready (after ``backward_passes_per_step`` passes), the bucket is packed (and compressed) into
-its fusion buffer and its allreduce is queued with ``ddl.allreduce_async_``, so
+its fusion buffer and its allreduce is queued (asynchronously, in place), so
 communication overlaps the rest of backward. ``synchronize()`` (called by ``step()``)
 launches what is left, waits, and unpacks the averaged gradients into ``p.grad``.
 
 Buckets come from :mod:`ddl.torch.fusion` and are launched strictly in plan order, which is
-what keeps every rank's sequence of collectives identical without a coordinator.
+what keeps every rank's sequence of collectives identical without a coordinator. Each bucket
+allreduce goes through :mod:`ddl.torch.join`, so ranks that called ``hvd.join()`` (out of
+data) contribute zeros and the others finish their epoch (Horovod's uneven-data rule).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import ddl
 
 from . import fusion
 from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from .join import broadcast_plan, register_optimizer, submit_allreduce
 from .settings import cycle_time_ms as _default_cycle_ms
 from .settings import fusion_threshold_bytes as _default_threshold
 
@@ -176,6 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
+        self._join_index = register_optimizer(self)
 
     # ------------------------------------------------------------------ plumbing
     def _init_optimizer_base(self) -> None:
@@ -332,7 +336,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     dst.copy_(c.reshape(-1))
             if self._prescale != 1.0:
                 buf.mul_(self._prescale)
-        self._handles[b] = ddl.allreduce_async_(buf, self._op, name=f"grad.bucket{b}")
+        self._handles[b] = submit_allreduce(buf, self._op, name=f"grad.bucket{b}", inplace=True,
+                                            prescale=self._prescale, postscale=self._postscale)
 
     def _unpack(self, b: int) -> None:
         bucket, buf = self._plan[b], self._buffers[b]
@@ -372,15 +377,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._replan(ready)
 
     def _replan(self, ready: list[float]) -> None:
-        # Every rank gets here at the same step; rank 0's timing decides for all, so the
-        # plans are identical.
+        # Every running rank gets here at the same step; the lowest running rank's timing
+        # (rank 0's unless it has joined) decides for all, and ranks that have joined adopt
+        # the same plan while serving, so the plans stay identical.
         t = np.asarray(ready, dtype=np.float64)
         known = t[np.isfinite(t)]
         if known.size:
             t = np.where(np.isfinite(t), t - known.min(), known.max() - known.min() + 1.0)
         else:
             t = np.zeros_like(t)
-        ddl.broadcast_(t, 0, name="DistributedOptimizer.plan")
+        self._adopt_plan(broadcast_plan(t, self._join_index))
+
+    def _adopt_plan(self, t: np.ndarray) -> None:
         self._replanned = True
         plan = fusion.plan_buckets(self._numels, self._itemsizes, self._keys, self._threshold,
                                    ready_times=t.tolist(), cycle_time_s=self._cycle_s)
