@@ -231,10 +231,14 @@ def _error(rows: np.ndarray, r: np.ndarray) -> ddl.DDLError:
     )
 
 
-def _submit(mine: np.ndarray, data: Callable[[], Any], name: str, async_: bool) -> Any:
-    """Queue control step + data as one piece of work (keeps the order of async calls)."""
+def _submit(mine: np.ndarray, data: Callable[[], Any], name: str, async_: bool,
+            before: Callable[[], None] | None = None) -> Any:
+    """Queue control step + data as one piece of work (keeps the order of async calls);
+    ``before`` (e.g. packing a fusion buffer) runs first, on the same thread."""
 
     def job():
+        if before is not None:
+            before()
         _negotiate(mine)
         return data()
 
@@ -243,10 +247,11 @@ def _submit(mine: np.ndarray, data: Callable[[], Any], name: str, async_: bool) 
 
 # ----------------------------------------------------- collectives of running ranks
 def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,
-                     async_: bool = True, prescale: float = 1.0, postscale: float = 1.0) -> Any:
+                     async_: bool = True, prescale: float = 1.0, postscale: float = 1.0,
+                     before: Callable[[], None] | None = None) -> Any:
     data = _api._plan_allreduce(tensor, op, None, inplace)
     mine = _descriptor(ALLREDUCE, op, _code(tensor), tuple(tensor.shape), 0, prescale, postscale)
-    return _submit(mine, data, name, async_)
+    return _submit(mine, data, name, async_, before)
 
 
 def submit_reduce_scatter(tensor: Any, op: ddl.ReduceOp, *, name: str,

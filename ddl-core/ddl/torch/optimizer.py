@@ -15,6 +15,7 @@ data) contribute zeros and the others finish their epoch (Horovod's uneven-data 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import warnings
@@ -313,8 +314,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if buf is None:
             dtype, device = bucket.key
             buf = self._buffers[b] = _buffer(bucket.numel, dtype, torch.device(device))
+        grads = []
         with torch.no_grad():
-            for i, off in zip(bucket.members, bucket.offsets):
+            for i in bucket.members:
                 p = self._params[i]
                 g = p.grad
                 if g is None:
@@ -327,6 +329,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             f"gradient of {self._names[i]!r} is sparse: pass "
                             "sparse_as_dense=True to DistributedOptimizer")
                     g = p.grad = g.to_dense()
+                grads.append(g)
+        pack = functools.partial(self._pack, bucket, buf, grads)
+        if buf.device.type == "cpu":
+            # Copied in on ddl's worker thread, as Horovod's background thread does: the
+            # thread running backward only queues, and the copy runs right before the
+            # allreduce, in the same order on every rank.
+            before = pack
+        else:
+            pack()  # on the caller's CUDA stream, which the collective then waits for
+            before = None
+        self._handles[b] = submit_allreduce(buf, self._op, name=f"grad.bucket{b}", inplace=True,
+                                            prescale=self._prescale, postscale=self._postscale,
+                                            before=before)
+
+    def _pack(self, bucket: fusion.Bucket, buf: torch.Tensor, grads: list) -> None:
+        with torch.no_grad():
+            for i, off, g in zip(bucket.members, bucket.offsets, grads):
                 dst = buf[off:off + self._numels[i]]
                 if self._fast:
                     if g.data_ptr() != dst.data_ptr():  # else: accumulated in place already
@@ -336,8 +355,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     dst.copy_(c.reshape(-1))
             if self._prescale != 1.0:
                 buf.mul_(self._prescale)
-        self._handles[b] = submit_allreduce(buf, self._op, name=f"grad.bucket{b}", inplace=True,
-                                            prescale=self._prescale, postscale=self._postscale)
 
     def _unpack(self, b: int) -> None:
         bucket, buf = self._plan[b], self._buffers[b]
