@@ -16,13 +16,15 @@ from .errors import DDLError
 class Handle:
     """The result of an ``*_async`` call: ``wait()`` returns it, ``poll()`` says if ready."""
 
-    __slots__ = ("_done", "_result", "_error", "name")
+    __slots__ = ("_done", "_result", "_error", "name", "_callbacks", "_cb_lock")
 
     def __init__(self, name: str = ""):
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self.name = name
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._cb_lock = threading.Lock()
 
     def poll(self) -> bool:
         return self._done.is_set()
@@ -34,9 +36,25 @@ class Handle:
             raise self._error
         return self._result
 
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once the operation has finished: at once if it has, else on
+        the thread that finishes it (ddl's worker), so keep ``fn`` short."""
+        with self._cb_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        with self._cb_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: S110 - a caller's callback must not kill the worker
+                pass
 
     def __repr__(self) -> str:
         state = "done" if self.poll() else "pending"

@@ -120,3 +120,28 @@ def test_bfloat16_matches_torch_rounding():
     reduce_into(out[:2], [nan.view(np.uint16)] * 2, Max, BY_NAME["bfloat16"])
     back = torch.from_numpy(out[:2].view(np.int16)).view(torch.bfloat16)
     assert torch.isnan(back[0]) and back[1] == 1.0
+
+
+def test_handle_done_callbacks_run_once_on_the_finishing_thread_or_at_once():
+    import threading
+
+    from ddl.runtime import Runtime
+
+    rt = Runtime()
+    gate = threading.Event()
+    seen = []
+    h = rt.submit(lambda: gate.wait(5) and 42, "job")
+    h.add_done_callback(lambda x: seen.append(("late", x.wait(), threading.current_thread().name)))
+    assert seen == []
+    gate.set()
+    assert h.wait(5) == 42
+    rt.drain()
+    assert seen == [("late", 42, "ddl-runtime")]
+    h.add_done_callback(lambda x: seen.append(("now", x.poll())))  # already done: at once
+    assert seen[-1] == ("now", True)
+    bad = rt.submit(lambda: 1 / 0, "fails")
+    errors = []
+    bad.add_done_callback(lambda x: errors.append(x._error))
+    rt.drain()
+    assert isinstance(errors[0], ZeroDivisionError)
+    rt.close()

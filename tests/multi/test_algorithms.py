@@ -108,3 +108,35 @@ def test_cost_model_prefers_the_engines_pipelined_collective_when_steps_tie():
     assert cost.best(["ring", "native", "hd"], 2, 64 << 20, cost.NETWORK) == "native"
     # many ranks, tiny message: halving-doubling's log2(n) steps win
     assert cost.best(["ring", "native", "hd"], 64, 1024, cost.NETWORK) == "hd"
+
+
+def test_chunk_sizes_ramp_down_at_both_ends_of_the_pipeline():
+    from ddl.algorithms.multidim import chunk_sizes
+
+    m = 1 << 20
+    assert chunk_sizes(16 * m, 4 * m) == [m // 2, m, 2 * m, 3 * m, 3 * m, 3 * m, 2 * m, m, m // 2]
+    assert chunk_sizes(4 * m, 4 * m) == [4 * m]  # one chunk: nothing to pipeline
+    assert chunk_sizes(0, 4 * m) == [0]
+    for n in (1, 5, 4 * m + 1, 6 * m, 10 * m + 3, 64 * m, 1000):
+        sizes = chunk_sizes(n, 4 * m if n > 1000 else 64)
+        assert sum(sizes) == n and all(s > 0 for s in sizes)
+        mid = sizes[len(sizes) // 2]
+        assert sizes[0] <= mid + 1 and sizes[-1] <= mid + 1
+
+
+def test_chunk_plan_follows_each_dimensions_block():
+    from ddl.algorithms.multidim import chunk_plan
+
+    class Dim:
+        def __init__(self, size, rank):
+            self.size, self.rank = size, rank
+
+    plan = chunk_plan(100, [Dim(2, 1), Dim(3, 2)], 16)
+    covered = []
+    for segs in plan:
+        (a0, b0, c0), (a1, b1, c1) = segs
+        assert sum(c0) == b0 - a0 and sum(c1) == b1 - a1
+        assert (a1, b1) == (a0 + c0[0], a0 + c0[0] + c0[1])  # rank 1's block of dim 0
+        covered.append((a0, b0))
+    assert covered[0][0] == 0 and covered[-1][1] == 100
+    assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))

@@ -25,14 +25,33 @@ from ..ops import ReduceOp, reduce_into
 from .dims import split
 
 
+def chunk_sizes(n: int, chunk: int, ramp: int = 3) -> list[int]:
+    """Chunk lengths for a pipeline over ``n`` elements: ``chunk`` in the middle, and at each
+    end up to ``ramp`` chunks halving in size (..., chunk/4, chunk/2). Nothing crosses the
+    slow link until the first chunk is through the inner dimensions, and the last chunk's
+    allgather runs after the link is done: small end chunks shorten that fill and drain,
+    while full-size chunks in the middle keep the per-operation cost low."""
+    chunk = max(1, chunk)
+    if n <= chunk:
+        return [n]
+    while ramp:
+        ends = [max(1, chunk >> (k + 1)) for k in range(ramp)][::-1]  # chunk/4, chunk/2
+        middle = n - 2 * sum(ends)
+        if middle >= chunk // 2:
+            return ends + split(middle, -(-middle // chunk)) + ends[::-1]
+        ramp -= 1
+    return split(n, -(-n // chunk))
+
+
 def chunk_plan(n: int, dims, chunk_elems: int) -> list[list[tuple[int, int, list[int]]]]:
-    """Cut ``n`` elements into chunks of ``chunk_elems``; for each chunk, what each dimension
+    """Cut ``n`` elements into chunks (``chunk_sizes``); for each chunk, what each dimension
     works on: (start, end, block counts over its ranks), where dimension j+1 works on this
     rank's block of dimension j. Pure: the host and device engines share it."""
-    ce = max(1, chunk_elems)
     out = []
-    for a in range(0, n, ce) if n else [0]:
-        b = min(a + ce, n)
+    a = 0
+    for size in chunk_sizes(n, chunk_elems):
+        b = a + size
+        start = a
         segs = []
         for d in dims:
             c = split(b - a, d.size)
@@ -40,6 +59,7 @@ def chunk_plan(n: int, dims, chunk_elems: int) -> list[list[tuple[int, int, list
             a += sum(c[: d.rank])
             b = a + c[d.rank]
         out.append(segs)
+        a = start + size
     return out
 
 

@@ -35,6 +35,11 @@ class MultiHostEngine:
         else:
             self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
         self.name = f"ddl/{transport}"
+        if shm_kwargs.get("wait_policy", "auto") == "auto":
+            # The dimensions across hosts run beside this one in their own threads (network
+            # I/O and reductions): a spinning waiter would take the cores they need. Measured
+            # at 2 hosts x 2 ranks, 16 MiB: 1.45x flat Gloo with futex waits, 1.37x spinning.
+            shm_kwargs = dict(shm_kwargs, wait_policy="futex")
         dims = []
         try:
             for d in self.grid.dims:

@@ -9,6 +9,12 @@ raw allreduce of all gradient bytes on gloo and on ddl (plain tensor and ``ddl.m
 buffer) vs the DistributedOptimizer's whole gradient exchange (pack, allreduce, unpack).
 
     python -m ddl.perf.train --ranks 2 --steps 20 --rounds 3 [--json out.json]
+    python -m ddl.perf.train ... --horovod /path/to/horovod-venv   # + Horovod itself
+
+With ``--horovod VENV`` (a virtualenv with Horovod built for this torch, e.g. by
+benchmarks/build_horovod.sh), a second job started by that venv's ``horovodrun --gloo``
+trains the same model with ``horovod.torch.DistributedOptimizer`` right after the first;
+it reports its own compute-only step too, so the two jobs can be compared.
 
 Modes are interleaved round by round so a noisy machine hurts them alike; figures are
 medians over all timed steps. Run on CPU tensors (OMP_NUM_THREADS=1 per rank).
@@ -37,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
     ap.add_argument("--comm-reps", type=int, default=10)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--horovod", metavar="VENV",
+                    help="also run Horovod's DistributedOptimizer from this virtualenv")
+    ap.add_argument("--horovod-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap
@@ -56,15 +65,7 @@ def _worker(args: argparse.Namespace) -> int:
     dist.init_process_group("ddl", init_method="env://")
     gloo = dist.new_group(backend="gloo")
     rank, size = hvd.rank(), hvd.size()
-    w = args.width
-
-    def model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Linear(1024, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
-            torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, 10))
-
-    nets = {m: model() for m in MODES}
+    nets = {m: _model(args.width) for m in MODES}
     params = sum(p.numel() for p in nets["compute"].parameters())
     runs: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
     runs["compute"] = (nets["compute"], torch.optim.SGD(nets["compute"].parameters(), lr=0.01))
@@ -74,17 +75,7 @@ def _worker(args: argparse.Namespace) -> int:
     runs["hvd-ddl"] = (nets["hvd-ddl"], hvd.DistributedOptimizer(
         torch.optim.SGD(nets["hvd-ddl"].parameters(), lr=0.01),
         named_parameters=nets["hvd-ddl"].named_parameters()))
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, 1024, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-
-    def step(m: str) -> float:
-        net, opt = runs[m]
-        t = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        return time.perf_counter() - t
+    step = _stepper(runs, rank, args.batch)
 
     def timed(fn: Callable[[], object], reps: int,
               setup: Callable[[], object] | None = None) -> list[float]:
@@ -140,6 +131,96 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model(width: int):
+    import torch
+
+    torch.manual_seed(0)
+    w = width
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
+        torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, 10))
+
+
+def _stepper(runs: dict, rank: int, batch: int) -> Callable[[str], float]:
+    """One timed training step of mode ``m`` on this rank's fixed synthetic batch."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 1024, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+
+    def step(m: str) -> float:
+        net, opt = runs[m]
+        t = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t
+
+    return step
+
+
+def _horovod_worker(args: argparse.Namespace) -> int:
+    """The same model and steps under Horovod itself (launched by horovodrun --gloo)."""
+    import horovod.torch as hvd
+    import torch
+
+    torch.set_num_threads(1)
+    hvd.init()
+    runs = {}
+    for m in ("compute", "horovod"):
+        net = _model(args.width)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        if m == "horovod":
+            opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
+        runs[m] = (net, opt)
+    step = _stepper(runs, hvd.rank(), args.batch)
+    params = sum(p.numel() for p in runs["compute"][0].parameters())
+    flat = torch.ones(params)
+    times: dict[str, list[float]] = {"compute": [], "horovod": [], "raw-horovod": []}
+    for _ in range(args.rounds):
+        for m in ("compute", "horovod"):
+            hvd.allreduce(torch.zeros(1), name="sync")
+            for _ in range(args.warmup):
+                step(m)
+            times[m] += [step(m) for _ in range(args.steps)]
+        for _ in range(args.comm_reps):
+            hvd.allreduce(torch.zeros(1), name="sync")
+            t = time.perf_counter()
+            hvd.allreduce_(flat, op=hvd.Sum, name="raw")
+            times["raw-horovod"].append(time.perf_counter() - t)
+    keys = sorted(times)
+    worst = hvd.allreduce(torch.tensor([statistics.median(times[k]) for k in keys],
+                                       dtype=torch.float64), op=hvd.Max, name="medians")
+    if hvd.rank() == 0:
+        print(json.dumps({"horovod_version": __import__("horovod").__version__,
+                          "median_s": dict(zip(keys, worst.tolist()))}), flush=True)
+    return 0
+
+
+def _run_horovod(args: argparse.Namespace, forward: list[str]) -> dict:
+    import subprocess
+
+    venv = os.path.abspath(args.horovod)
+    horovodrun = os.path.join(venv, "bin", "horovodrun")
+    if not os.path.exists(horovodrun):
+        raise SystemExit(f"--horovod {venv}: no bin/horovodrun there")
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+               PATH=os.pathsep.join([os.path.join(venv, "bin"), os.environ.get("PATH", "")]))
+    argv = [horovodrun, "-np", str(args.ranks), "-H", f"localhost:{args.ranks}", "--gloo",
+            os.path.join(venv, "bin", "python"), "-m", "ddl.perf.train", "--horovod-worker",
+            *forward]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln.split("]<stdout>:", 1)[-1] for ln in proc.stdout.splitlines()]
+    found = [ln for ln in lines if ln.startswith("{")]
+    if proc.returncode != 0 or not found:
+        raise SystemExit(f"horovod job failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                         f"{proc.stderr[-3000:]}")
+    return json.loads(found[-1])
+
+
 # ------------------------------------------------------------------- parent side
 def format_table(res: dict) -> str:
     m = res["median_s"]
@@ -159,6 +240,16 @@ def format_table(res: dict) -> str:
     for k in ("raw-gloo", "raw-ddl", "raw-ddl-malloc", "hvd-exchange"):
         lines.append(f"  {k:<28} {1e3 * m[k]:8.1f} {res['bytes'] / m[k] / 1e9:11.2f} "
                      f"{m[k] / m['raw-ddl']:10.2f}x")
+    if "horovod" in res:
+        h = res["horovod"]["median_s"]
+        lines.append(f"# Horovod {res['horovod']['horovod_version']} (its own job, right after; "
+                     f"its compute-only step: {1e3 * h['compute']:.1f} ms)")
+        lines.append(f"  {'horovod':<10} {1e3 * h['horovod']:9.1f} "
+                     f"{1e3 * (h['horovod'] - h['compute']):16.1f} "
+                     f"{h['horovod'] / m['ddp-gloo']:11.2f}x")
+        lines.append(f"  {'raw-horovod (allreduce only)':<28} {1e3 * h['raw-horovod']:8.1f} "
+                     f"{res['bytes'] / h['raw-horovod'] / 1e9:11.2f} "
+                     f"{h['raw-horovod'] / m['raw-ddl']:10.2f}x")
     lines.append(f"# DistributedOptimizer: {res['buckets']} fusion bucket(s); "
                  f"DDP on ddl equals DDP on gloo: {res['ddp_ddl_equals_gloo']}")
     return "\n".join(lines)
@@ -168,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.horovod_worker:
+        return _horovod_worker(args)
     from .spawn import run_local
 
     forward = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds",
@@ -184,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     line = [ln for ln in results[0].stdout.splitlines() if ln.startswith("{")][-1]
     res = json.loads(line)
+    if args.horovod:
+        res["horovod"] = _run_horovod(args, forward)
     print(f"# python -m ddl.perf.train {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(format_table(res))
     if args.json:

@@ -4,9 +4,9 @@
     torch.distributed.init_process_group("ddl", init_method="env://")
 
 A Python subclass of ``torch.distributed.ProcessGroup`` whose collectives are the ddl core's
-``*_async`` calls. The core runs them in submission order on its worker thread; one
-completer thread here waits for them in the same order and completes each ``Work``'s future,
-so DDP's bucket allreduces overlap with the rest of backward exactly as they do on gloo.
+``*_async`` calls. The core runs them in submission order on its worker thread, which also
+completes each ``Work``'s future when its last handle finishes, so DDP's bucket allreduces
+overlap with the rest of backward exactly as they do on gloo.
 
 Groups: a group of every rank (the default group, or ``new_group()`` of all ranks) runs on
 the core. The core's public API has no sub-communicators yet, so a ``new_group`` of a strict
@@ -16,7 +16,6 @@ only the transport differs.
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -112,51 +111,30 @@ def _make_work(what: str, finish: Callable[[], Any]) -> tuple[DDLWork, torch.fut
     return work, trigger
 
 
-class _Completer:
-    """Triggers works in submission order, which is the order the core finishes them."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._queue: collections.deque = collections.deque()
-        self._thread: threading.Thread | None = None
-
-    def add(self, handles: Sequence[ddl.Handle], trigger: torch.futures.Future) -> None:
-        with self._cv:
-            self._queue.append((handles, trigger))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ddl-torch-completer",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                handles, trigger = self._queue.popleft()
-            for h in handles:
-                try:
-                    h.wait()
-                except BaseException:  # noqa: S110 - the work's finish() re-raises it
-                    break
-            trigger.set_result(None)
-
-
-_completer = _Completer()
-
-
 def _work(handles: Sequence[ddl.Handle], finish: Callable[[], Any], what: str) -> DDLWork:
+    """A Work whose future completes when the last of ``handles`` finishes, from the thread
+    that finishes it (ddl's worker): no extra thread has to wake up on a busy machine."""
+
     def run() -> Any:
         for h in handles:
             h.wait()
         return finish()
 
     work, trigger = _make_work(what, run)
-    if all(h.poll() for h in handles):
-        trigger.set_result(None)  # finished already (the core ran it inline): no thread hop
-    else:
-        _completer.add(handles, trigger)
+    remaining = [len(handles)]
+    lock = threading.Lock()
+
+    def one_done(_: ddl.Handle) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            trigger.set_result(None)
+
+    if not handles:
+        trigger.set_result(None)
+    for h in handles:
+        h.add_done_callback(one_done)
     return work
 
 

@@ -133,8 +133,12 @@ def _allreduce_async(tensor: torch.Tensor, average, name, op, prescale_factor: f
     sent, ctx = compression.compress(tensor)
     if prescale_factor != 1.0:
         sent = sent * prescale_factor
+    # In place whenever the tensor sent is ours to overwrite: the caller's own for the
+    # in-place spellings, or a temporary made by compression or prescaling. Out of place
+    # would allocate a fresh result (page faults on every call for large tensors) and copy.
     inner = submit_allreduce(sent, rop, name=name or "allreduce", prescale=prescale_factor,
-                             postscale=postscale_factor, async_=async_)
+                             postscale=postscale_factor, async_=async_,
+                             inplace=inplace or sent is not tensor)
     if not async_:
         inner = _Ready(inner)
 
@@ -143,8 +147,9 @@ def _allreduce_async(tensor: torch.Tensor, average, name, op, prescale_factor: f
             out.mul_(postscale_factor)
         out = compression.decompress(out, ctx)
         if inplace:
-            with torch.no_grad():
-                tensor.copy_(out)
+            if out is not tensor:
+                with torch.no_grad():
+                    tensor.copy_(out)
             return tensor
         return out
 
