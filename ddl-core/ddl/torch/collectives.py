@@ -17,32 +17,46 @@ import torch
 import ddl
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[j]`` rows of ``tensor`` (dim 0, in order) to rank ``j``; return the rows
-    received, in rank order, and how many came from each rank."""
-    n, me = ddl.size(), ddl.rank()
-    rows = tensor.shape[0] if tensor.dim() else 1
+def alltoall_splits(rows: int, splits: Sequence[int] | None) -> list[int]:
+    """How many rows go to each rank: ``splits``, checked, or an even split."""
+    n = ddl.size()
     if splits is None:
         if rows % n:
             raise ddl.DDLConfigError(
                 f"alltoall: dimension 0 has {rows} rows, not divisible by {n} ranks; pass splits"
             )
-        splits = [rows // n] * n
+        return [rows // n] * n
     splits = [int(s) for s in splits]
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
         raise ddl.DDLConfigError(
             f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}"
         )
-    table = ddl.allgather(np.asarray([splits], dtype=np.int64))  # table[i][j]: i sends to j
-    data = ddl.allgather(tensor.reshape(rows, -1) if tensor.dim() else tensor.reshape(1, 1))
+    return splits
+
+
+def alltoall_receive(table: np.ndarray, data: torch.Tensor, tail: tuple[int, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows out of every rank's gathered rows (``table[i][j]``: rows rank i
+    sends to rank j, in j order), and how many came from each rank."""
+    me = ddl.rank()
     pieces, start = [], 0
-    for i in range(n):
+    for i in range(table.shape[0]):
         off = start + int(table[i, :me].sum())
         pieces.append(data[off:off + int(table[i, me])])
         start += int(table[i].sum())
-    out = torch.cat(pieces).reshape((-1,) + tuple(tensor.shape[1:]))
+    out = torch.cat(pieces).reshape((-1,) + tuple(tail))
     return out, torch.from_numpy(np.ascontiguousarray(table[:, me]))
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[j]`` rows of ``tensor`` (dim 0, in order) to rank ``j``; return the rows
+    received, in rank order, and how many came from each rank."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    splits = alltoall_splits(rows, splits)
+    table = ddl.allgather(np.asarray([splits], dtype=np.int64))  # table[i][j]: i sends to j
+    data = ddl.allgather(tensor.reshape(rows, -1) if tensor.dim() else tensor.reshape(1, 1))
+    return alltoall_receive(table, data, tuple(tensor.shape[1:]))
 
 
 def _dumps(obj: Any) -> np.ndarray:
@@ -77,4 +91,5 @@ def allgather_object(obj: Any) -> list[Any]:
     return out
 
 
-__all__ = ["allgather_object", "alltoall", "broadcast_object"]
+__all__ = ["allgather_object", "alltoall", "alltoall_receive", "alltoall_splits",
+           "broadcast_object"]

@@ -336,28 +336,10 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     _check_process_set(process_set)
     s = None if splits is None else [int(x) for x in (
         splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    n, me = ddl.size(), ddl.rank()
     rows = tensor.shape[0] if tensor.dim() else 1
-    if s is None:
-        if rows % n:
-            raise ddl.DDLConfigError(
-                f"alltoall: dimension 0 has {rows} rows, not divisible by {n} ranks; pass splits"
-            )
-        send = [rows // n] * n
-    else:
-        send = s
-    if len(send) != n or any(x < 0 for x in send) or sum(send) != rows:
-        raise ddl.DDLConfigError(
-            f"alltoall: splits {send} must be {n} non-negative counts summing to {rows}"
-        )
+    send = collectives.alltoall_splits(rows, s)
     table, data = run_alltoall(tensor, send, name=name or "alltoall")
-    pieces, start = [], 0
-    for i in range(n):  # table[i][j]: rows rank i sends to rank j, in j order
-        off = start + int(table[i, :me].sum())
-        pieces.append(data[off:off + int(table[i, me])])
-        start += int(table[i].sum())
-    out = torch.cat(pieces).reshape((-1,) + tuple(tensor.shape[1:]))
-    received = torch.from_numpy(table[:, me].copy())
+    out, received = collectives.alltoall_receive(table, data, tuple(tensor.shape[1:]))
     return out if splits is None else (out, received)
 
 
