@@ -159,7 +159,7 @@ _VARS = [
     EnvVar(
         "DDL_CHUNK_BYTES",
         _size,
-        4 << 20,
+        8 << 20,
         "chunk size of the multi-dimensional allreduce pipeline: chunk i+1's intra-host "
         "work overlaps chunk i's transfer across hosts",
     ),
