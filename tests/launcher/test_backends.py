@@ -1,5 +1,6 @@
 """Backends build argv lists; tests assert on them without launching anything."""
 
+import os
 import shlex
 
 import pytest
@@ -100,3 +101,22 @@ def test_rankenv_computes_contract_from_layout():
     assert got["OMP_NUM_THREADS"] == "4"
     got = compute({"SLURM_PROCID": "0", "DDLRUN_RANK_HOSTS": "0", "OMP_NUM_THREADS": "2"}, 8)
     assert "OMP_NUM_THREADS" not in got and "CUDA_VISIBLE_DEVICES" not in got
+
+
+def test_mpirun_rankfile_paths_never_spell_pe(tmp_path, monkeypatch):
+    # Open MPI 5 reads "pe" anywhere in --map-by as PE=<list> and then refuses
+    # --bind-to none: the generated rankfile's folder must not contain it
+    from ddlrun.backends import mpirun
+
+    assert mpirun.prrte_safe("/tmp/ddlrun-abc/rankfile")
+    assert not mpirun.prrte_safe("/tmp/ddlrun-x2pe7/rankfile")
+    assert not mpirun.prrte_safe("/home/PEte/rf")
+    bad = tmp_path / "pe-tmp"
+    bad.mkdir()
+    monkeypatch.setattr(mpirun.tempfile, "tempdir", str(bad))
+    made = [mpirun.prrte_safe_tmpdir() for _ in range(50)]
+    try:
+        assert all(mpirun.prrte_safe(d) and not d.startswith(str(bad)) for d in made)
+    finally:
+        for d in made:
+            os.rmdir(d)

@@ -54,7 +54,7 @@ class MpirunBackend(SingleLauncherBackend):
 
     def get_cmd(self, plan: JobPlan, rankfile: str | None = None) -> list[str]:
         o = self.opts
-        rankfile = (o.rankfile_path or rankfile or getattr(self, "_rankfile", None)
+        rankfile = (rankfile or getattr(self, "_rankfile", None) or o.rankfile_path
                     or self.rankfile_placeholder)
         hosts = ",".join(f"{h.host.name}:{len(h.ranks)}" for h in plan.hosts)
         argv = [self.exe() or "mpirun", "-np", str(plan.world_size), "--host", hosts,
@@ -77,12 +77,18 @@ class MpirunBackend(SingleLauncherBackend):
         return argv + self.rank_command(plan)
 
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
-        self._tmp = tempfile.mkdtemp(prefix=f"ddlrun-{plan.job_id}-")
-        path = os.path.join(self._tmp, "rankfile")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(rankfile_lines(plan)) + "\n")
-        self._rankfile = path
-        sink.note("rankfile: " + "; ".join(rankfile_lines(plan)))
+        self._tmp = prrte_safe_tmpdir()
+        user = self.opts.rankfile_path
+        if user and prrte_safe(user):
+            self._rankfile = user
+        else:
+            self._rankfile = os.path.join(self._tmp, "rankfile")
+            if user:
+                shutil.copyfile(user, self._rankfile)
+            else:
+                with open(self._rankfile, "w", encoding="utf-8") as f:
+                    f.write("\n".join(rankfile_lines(plan)) + "\n")
+                sink.note("rankfile: " + "; ".join(rankfile_lines(plan)))
         super().start(plan, sink, emit)
 
     def close(self, timeout: float) -> None:
@@ -90,6 +96,28 @@ class MpirunBackend(SingleLauncherBackend):
         tmp = getattr(self, "_tmp", None)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prrte_safe(path: str) -> bool:
+    """Open MPI 5's mapper (PRRTE 3) reads "pe" anywhere in a ``--map-by`` value, in any
+    case, as its ``PE=<list>`` directive and then refuses ``--bind-to none``: a rankfile
+    path such as ``/tmp/ddlrun-x2pe7/rankfile`` or ``/home/pete/rf`` fails the whole job."""
+    return "pe" not in path.lower()
+
+
+def prrte_safe_tmpdir() -> str:
+    """A new private folder whose path ``prrte_safe`` accepts."""
+    bases = [tempfile.gettempdir(), "/tmp", "/var/tmp"]
+    for base in dict.fromkeys(bases):
+        if not (prrte_safe(base) and os.path.isdir(base)):
+            continue
+        for _ in range(64):  # the random part may spell "pe" too
+            d = tempfile.mkdtemp(prefix="ddlrun-", dir=base)
+            if prrte_safe(d):
+                return d
+            os.rmdir(d)
+    raise UsageError("--launcher mpirun: every temporary folder's path contains 'pe', which "
+                     "Open MPI 5 misreads in --map-by: set TMPDIR to a path without it")
 
 
 def parse_mpiargs(values: list[str]) -> tuple[str, ...]:
