@@ -256,10 +256,6 @@ def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None =
     return _dispatch(_plan_allreduce(tensor, op, None, True), name or "allreduce_async_", True)
 
 
-def _rows(f: tensors.Flat, what: str) -> tuple[int, tuple[int, ...], int]:
-    return _rows_of(f.shape, what)
-
-
 def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], int]:
     if not shape:
         raise DDLConfigError(f"{what} needs a tensor with at least one dimension, got a 0-d one")
@@ -275,7 +271,7 @@ def _plan_allgather(tensor) -> Callable[[], Any]:
         _, row_shape, row = _rows_of(tuple(tensor.shape), "allgather")
         return _devices.plan_allgather(backend, tensor, row_shape, row)
     f = tensors.flatten(tensor)
-    _, row_shape, row = _rows(f, "allgather")
+    _, row_shape, row = _rows_of(f.shape, "allgather")
     engine = _engine
     holder: list[Any] = []
 
@@ -362,7 +358,7 @@ def _plan_reduce_scatter(tensor, op) -> Callable[[], Any]:
                                             (split[w.rank],) + row_shape)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
-    rows, row_shape, row = _rows(f, "reduce_scatter")
+    rows, row_shape, row = _rows_of(f.shape, "reduce_scatter")
     split = split_rows(rows, w.size)
     counts = [c * row for c in split]
     result, g = tensors.empty_like(f, (split[w.rank],) + row_shape)

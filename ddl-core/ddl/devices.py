@@ -50,9 +50,7 @@ class DeviceRouter:
             backend = None
         if backend is None:
             return None
-        name = str(tensor.dtype).removeprefix("torch.")
-        if name not in devmod.NATIVE[backend] or (
-                op is ReduceOp.PRODUCT and tensor.is_complex()):
+        if not devmod.reducible(str(tensor.dtype).removeprefix("torch."), op):
             return None  # e.g. int16 or uint32 on NCCL: the host engines reduce those
         return backend
 

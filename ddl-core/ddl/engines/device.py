@@ -25,13 +25,17 @@ from ..ops import ReduceOp
 from ..options import Options
 from ..topology import World
 
-# dtypes each backend reduces natively (torch names); others are staged through the host.
-NATIVE = {
-    "nccl": {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
-             "bool", "complex64", "complex128"},
-    "gloo": {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
-             "bool", "complex64", "complex128"},
-}
+# dtypes NCCL and Gloo reduce (torch names; bool and complex through the views of
+# DeviceEngine._reducible); others are staged through the host engines.
+_NATIVE = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
+                     "int64", "bool", "complex64", "complex128"})
+
+
+def reducible(dtype_name: str, op: ReduceOp | None) -> bool:
+    """Whether the device engine takes this dtype and op."""
+    if dtype_name not in _NATIVE:
+        return False
+    return not (dtype_name.startswith("complex") and op is ReduceOp.PRODUCT)
 
 
 def _torch():
@@ -172,11 +176,6 @@ class DeviceEngine:
     def describe(self) -> str:
         return " -> ".join(d.describe() for d in self.dims) or "single rank"
 
-    def native_ok(self, dtype_name: str, op: ReduceOp) -> bool:
-        if dtype_name not in NATIVE[self.backend]:
-            return False
-        return not (dtype_name.startswith("complex") and op is ReduceOp.PRODUCT)
-
     # --------------------------------------------------------------------- helpers
     def _reducible(self, t, op: ReduceOp) -> tuple[Any, ReduceOp]:
         """A flat view the process groups can reduce and the op to reduce it with: bool is
@@ -262,7 +261,7 @@ class DeviceEngine:
         """``out`` = this rank's block (``counts``) of the reduction of flat ``t``."""
         inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         src, inner = self._reducible(t.reshape(-1), inner)
-        if len(set(counts)) == 1 and self.native_ok(str(t.dtype).removeprefix("torch."), op):
+        if len(set(counts)) == 1:
             dst, _ = self._reducible(out.reshape(-1), inner)
             self.world_group.reduce_scatter(dst, src, inner)
         else:
