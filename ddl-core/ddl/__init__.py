@@ -23,11 +23,14 @@ from .api import (
     cross_size,
     engine_name,
     get_options,
+    grouped_allreduce_,
+    grouped_allreduce_async_,
     init,
     is_initialized,
     local_rank,
     local_size,
     malloc,
+    new_group,
     poll,
     rank,
     reduce_scatter,
@@ -46,6 +49,7 @@ from .errors import (
     DDLShmError,
     DDLTimeoutError,
 )
+from .groups import Group
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import Handle
 
@@ -53,11 +57,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Average", "DDLConfigError", "DDLError", "DDLMismatchError", "DDLPeerError", "DDLShmError",
-    "DDLTimeoutError", "Handle", "Max", "Min", "Product", "ReduceOp", "Sum", "__version__",
-    "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
+    "DDLTimeoutError", "Group", "Handle", "Max", "Min", "Product", "ReduceOp", "Sum",
+    "__version__", "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "cleanup_job", "cross_rank", "cross_size", "engine_name",
-    "get_options", "init", "is_initialized", "local_rank", "local_size", "malloc", "poll",
-    "rank", "reduce_scatter", "reduce_scatter_async", "shutdown", "size", "split_rows",
-    "synchronize",
+    "broadcast_async_", "cleanup_job", "cross_rank", "cross_size", "engine_name", "get_options",
+    "grouped_allreduce_", "grouped_allreduce_async_", "init", "is_initialized", "local_rank",
+    "local_size", "malloc", "new_group", "poll", "rank", "reduce_scatter", "reduce_scatter_async",
+    "shutdown", "size", "split_rows", "synchronize",
 ]

@@ -17,6 +17,7 @@ from . import config, grid, options, tensors
 from .devices import DeviceRouter
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError
+from .groups import Group, GroupMaker, check_ranks
 from .ops import Average, ReduceOp, check_op, parse_op
 from .runtime import Handle, Runtime
 from .topology import World, world_from_env
@@ -27,6 +28,8 @@ _engine: Any = None
 _runtime: Runtime | None = None
 _options: options.Options | None = None
 _devices: DeviceRouter | None = None
+_groups: list[Group] = []
+_maker: GroupMaker | None = None
 
 
 # ------------------------------------------------------------------------ lifecycle
@@ -34,7 +37,7 @@ def init() -> None:
     """Join the job described by the launch environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, ...; see docs/api.md). Without one, this process is a 1-rank world.
     Calling it again is a no-op."""
-    global _world, _engine, _runtime, _options, _devices
+    global _world, _engine, _runtime, _options, _devices, _maker
     with _lock:
         if _world is not None:
             return
@@ -51,6 +54,8 @@ def init() -> None:
                   file=sys.stderr, flush=True)
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
         _devices = DeviceRouter(world, opts, _rendezvous)
+        _maker = GroupMaker(world, engine, timeout=config.get("DDL_TIMEOUT"),
+                            chunk_bytes=config.get("DDL_CHUNK_BYTES"), shm_kwargs=_shm_kwargs())
 
 
 def _rendezvous():
@@ -134,8 +139,12 @@ def shutdown() -> None:
             try:
                 _devices.close()
             finally:
-                _engine.close()
-                _world, _engine, _runtime, _devices = None, None, None, None
+                try:
+                    while _groups:
+                        _groups.pop().close()
+                finally:
+                    _engine.close()
+                    _world, _engine, _runtime, _devices = None, None, None, None
 
 
 atexit.register(shutdown)
@@ -194,6 +203,32 @@ def malloc(shape, dtype=np.float32) -> np.ndarray:
     return _engine.heap.malloc(shape, dtype)
 
 
+# ------------------------------------------------------------------------ groups
+def new_group(ranks) -> Group | None:
+    """A group of the given global ranks (in that order: ``ranks[i]`` is the group's rank
+    ``i``) for the ``group=`` argument of the collectives. Its members must call this, in
+    the same order as their other group creations; other ranks may (they get None)."""
+    w = _w()
+    ranks = check_ranks(ranks, w.size)
+    if w.rank not in ranks:
+        return None
+    g = _runtime.run(lambda: _maker.make(ranks), "new_group")  # after queued work
+    _groups.append(g)
+    return g
+
+
+def _target(group: Group | None) -> tuple[Any, int, int]:
+    """(engine, rank, size) of the job, or of ``group``."""
+    w = _w()
+    if group is None:
+        return _engine, w.rank, w.size
+    if not isinstance(group, Group):
+        raise DDLConfigError(f"group must be a ddl.Group from ddl.new_group, got {group!r}")
+    if group.closed:
+        raise DDLError(f"{group!r} was closed (ddl.shutdown)")
+    return group.engine, group.rank, group.size
+
+
 # ------------------------------------------------------------------- collectives
 def _dispatch(job: Callable[[], Any], name: str, async_: bool):
     if async_:
@@ -215,10 +250,11 @@ def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, t
     return out, g
 
 
-def _plan_allreduce(tensor, op, out, inplace: bool) -> Callable[[], Any]:
-    _w()
+def _plan_allreduce(tensor, op, out, inplace: bool, group: Group | None = None
+                    ) -> Callable[[], Any]:
+    engine, _, _ = _target(group)
     op = parse_op(op)
-    backend = _devices.backend_for(tensor, op)
+    backend = _devices.backend_for(tensor, op) if group is None else None
     if backend:
         return _devices.plan_allreduce(backend, tensor, op, out, inplace)
     f = tensors.flatten(tensor)
@@ -227,7 +263,6 @@ def _plan_allreduce(tensor, op, out, inplace: bool) -> Callable[[], Any]:
     src = f.array
     if not inplace and not tensors.same_memory(src, g.array) and tensors.overlaps(src, g.array):
         src = src.copy()
-    engine = _engine
 
     def job():
         engine.allreduce(src, g.array, f.dtype, op, f.shape)
@@ -237,23 +272,94 @@ def _plan_allreduce(tensor, op, out, inplace: bool) -> Callable[[], Any]:
     return job
 
 
-def allreduce(tensor, op: ReduceOp | str = Average, *, out=None, name: str | None = None):
+def _plan_allreduce_into(sources: list, out, op, group: Group | None = None
+                         ) -> Callable[[], Any]:
+    """Allreduce the concatenation of ``sources`` (flattened, one dtype, CPU) into ``out``
+    (a flat contiguous CPU buffer), or in place on the sources when ``out`` is None: a fused
+    allreduce whose fusion buffer is never filled. The same bits, and the same steps on the
+    wire, as an allreduce of the filled buffer."""
+    engine, _, _ = _target(group)
+    op = parse_op(op)
+    parts = [tensors.flatten(t) for t in sources]
+    if not parts:
+        raise DDLConfigError("fused allreduce of no tensors")
+    dt, total = parts[0].dtype, sum(f.array.size for f in parts)
+    check_op(op, dt)
+    src = tensors.Pieces([f.array for f in parts])
+    if out is None:
+        g, dst = None, src
+        spans = sorted((f.array.__array_interface__["data"][0], f.array.nbytes) for f in parts)
+        if any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
+            raise DDLConfigError("fused allreduce in place: two of the tensors share memory")
+    else:
+        g = tensors.flatten(out, name="out")
+        if g.staged:
+            raise DDLConfigError("fused allreduce: out must be a contiguous CPU tensor or array")
+        dst = g.array
+    if any(f.dtype != dt for f in parts) or (g is not None and (g.dtype != dt
+                                                                or g.array.size != total)):
+        got = ", ".join(f"{f.dtype.name}[{f.array.size}]" for f in parts)
+        into = f" into {g.dtype.name}[{g.array.size}]" if g is not None else ""
+        raise DDLConfigError(f"fused allreduce of {got}{into}: dtypes or sizes differ")
+    if g is not None:
+        base = dst.__array_interface__["data"][0]
+        for f, at in zip(parts, src.starts):
+            # a source may already be its own slice of out (a gradient accumulated in place)
+            if (tensors.overlaps(f.array, dst)
+                    and f.array.__array_interface__["data"][0] - base != at * dt.itemsize):
+                raise DDLConfigError("fused allreduce: a source overlaps out somewhere other "
+                                     "than its own place in it")
+
+    def job():
+        engine.allreduce(src, dst, dt, op, (total,))
+        if g is not None:
+            return out
+        for f in parts:
+            f.write_back()
+        return sources
+
+    return job
+
+
+def allreduce(tensor, op: ReduceOp | str = Average, *, out=None, name: str | None = None,
+              group: Group | None = None):
     """Reduce ``tensor`` over all ranks and return the result (a new tensor, or ``out``)."""
-    return _dispatch(_plan_allreduce(tensor, op, out, False), name or "allreduce", False)
+    return _dispatch(_plan_allreduce(tensor, op, out, False, group), name or "allreduce", False)
 
 
-def allreduce_(tensor, op: ReduceOp | str = Average, *, name: str | None = None):
+def allreduce_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
+               group: Group | None = None):
     """In-place allreduce; returns ``tensor``."""
-    return _dispatch(_plan_allreduce(tensor, op, None, True), name or "allreduce_", False)
+    return _dispatch(_plan_allreduce(tensor, op, None, True, group), name or "allreduce_", False)
 
 
 def allreduce_async(tensor, op: ReduceOp | str = Average, *, out=None,
-                    name: str | None = None) -> Handle:
-    return _dispatch(_plan_allreduce(tensor, op, out, False), name or "allreduce_async", True)
+                    name: str | None = None,
+                    group: Group | None = None) -> Handle:
+    return _dispatch(_plan_allreduce(tensor, op, out, False, group),
+                     name or "allreduce_async", True)
 
 
-def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None = None) -> Handle:
-    return _dispatch(_plan_allreduce(tensor, op, None, True), name or "allreduce_async_", True)
+def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
+                     group: Group | None = None) -> Handle:
+    return _dispatch(_plan_allreduce(tensor, op, None, True, group),
+                     name or "allreduce_async_", True)
+
+
+def grouped_allreduce_(tensors, op: ReduceOp | str = Average, *, name: str | None = None,
+                       group: Group | None = None):
+    """Allreduce several tensors of one dtype in place, as one fused collective: the same
+    steps and bits as an allreduce of their concatenation, but no fusion buffer is filled
+    (each tensor is staged from where it lives). Returns ``tensors``."""
+    return _dispatch(_plan_allreduce_into(list(tensors), None, op, group),
+                     name or "grouped_allreduce_", False)
+
+
+def grouped_allreduce_async_(tensors, op: ReduceOp | str = Average, *,
+                             name: str | None = None,
+                             group: Group | None = None) -> Handle:
+    return _dispatch(_plan_allreduce_into(list(tensors), None, op, group),
+                     name or "grouped_allreduce_async_", True)
 
 
 def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], int]:
@@ -264,15 +370,14 @@ def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], i
     return shape[0], row_shape, row
 
 
-def _plan_allgather(tensor) -> Callable[[], Any]:
-    _w()
-    backend = _devices.backend_for(tensor)
+def _plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
+    engine, _, _ = _target(group)
+    backend = _devices.backend_for(tensor) if group is None else None
     if backend:
         _, row_shape, row = _rows_of(tuple(tensor.shape), "allgather")
         return _devices.plan_allgather(backend, tensor, row_shape, row)
     f = tensors.flatten(tensor)
     _, row_shape, row = _rows_of(f.shape, "allgather")
-    engine = _engine
     holder: list[Any] = []
 
     def alloc(counts: list[int]) -> np.ndarray:
@@ -292,20 +397,23 @@ def _plan_allgather(tensor) -> Callable[[], Any]:
     return job
 
 
-def allgather(tensor, *, name: str | None = None):
+def allgather(tensor, *, name: str | None = None,
+              group: Group | None = None):
     """Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."""
-    return _dispatch(_plan_allgather(tensor), name or "allgather", False)
+    return _dispatch(_plan_allgather(tensor, group), name or "allgather", False)
 
 
-def allgather_async(tensor, *, name: str | None = None) -> Handle:
-    return _dispatch(_plan_allgather(tensor), name or "allgather_async", True)
+def allgather_async(tensor, *, name: str | None = None,
+                    group: Group | None = None) -> Handle:
+    return _dispatch(_plan_allgather(tensor, group), name or "allgather_async", True)
 
 
-def _plan_broadcast(tensor, root_rank: int, inplace: bool) -> Callable[[], Any]:
-    w = _w()
-    if not 0 <= root_rank < w.size:
-        raise DDLConfigError(f"broadcast: root_rank {root_rank} is outside 0..{w.size - 1}")
-    backend = _devices.backend_for(tensor)
+def _plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = None
+                    ) -> Callable[[], Any]:
+    engine, _, size = _target(group)
+    if not 0 <= root_rank < size:
+        raise DDLConfigError(f"broadcast: root_rank {root_rank} is outside 0..{size - 1}")
+    backend = _devices.backend_for(tensor) if group is None else None
     if backend:
         return _devices.plan_broadcast(backend, tensor, root_rank, inplace)
     f = tensors.flatten(tensor)
@@ -314,7 +422,6 @@ def _plan_broadcast(tensor, root_rank: int, inplace: bool) -> Callable[[], Any]:
     else:
         result, g = tensors.empty_like(f)
         np.copyto(g.array, f.array)
-    engine = _engine
 
     def job():
         engine.broadcast(g.array, f.dtype, root_rank, f.shape)
@@ -324,22 +431,28 @@ def _plan_broadcast(tensor, root_rank: int, inplace: bool) -> Callable[[], Any]:
     return job
 
 
-def broadcast(tensor, root_rank: int = 0, *, name: str | None = None):
+def broadcast(tensor, root_rank: int = 0, *, name: str | None = None,
+              group: Group | None = None):
     """Return a copy of ``root_rank``'s tensor on every rank."""
-    return _dispatch(_plan_broadcast(tensor, root_rank, False), name or "broadcast", False)
+    return _dispatch(_plan_broadcast(tensor, root_rank, False, group), name or "broadcast", False)
 
 
-def broadcast_(tensor, root_rank: int = 0, *, name: str | None = None):
+def broadcast_(tensor, root_rank: int = 0, *, name: str | None = None,
+               group: Group | None = None):
     """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
-    return _dispatch(_plan_broadcast(tensor, root_rank, True), name or "broadcast_", False)
+    return _dispatch(_plan_broadcast(tensor, root_rank, True, group), name or "broadcast_", False)
 
 
-def broadcast_async(tensor, root_rank: int = 0, *, name: str | None = None) -> Handle:
-    return _dispatch(_plan_broadcast(tensor, root_rank, False), name or "broadcast_async", True)
+def broadcast_async(tensor, root_rank: int = 0, *, name: str | None = None,
+                    group: Group | None = None) -> Handle:
+    return _dispatch(_plan_broadcast(tensor, root_rank, False, group),
+                     name or "broadcast_async", True)
 
 
-def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None) -> Handle:
-    return _dispatch(_plan_broadcast(tensor, root_rank, True), name or "broadcast_async_", True)
+def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None,
+                     group: Group | None = None) -> Handle:
+    return _dispatch(_plan_broadcast(tensor, root_rank, True, group),
+                     name or "broadcast_async_", True)
 
 
 def split_rows(rows: int, n: int) -> list[int]:
@@ -347,22 +460,21 @@ def split_rows(rows: int, n: int) -> list[int]:
     return [rows // n + (1 if j < rows % n else 0) for j in range(n)]
 
 
-def _plan_reduce_scatter(tensor, op) -> Callable[[], Any]:
-    w = _w()
+def _plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], Any]:
+    engine, rank, size = _target(group)
     op = parse_op(op)
-    backend = _devices.backend_for(tensor, op)
+    backend = _devices.backend_for(tensor, op) if group is None else None
     if backend:
         rows, row_shape, row = _rows_of(tuple(tensor.shape), "reduce_scatter")
-        split = split_rows(rows, w.size)
+        split = split_rows(rows, size)
         return _devices.plan_reduce_scatter(backend, tensor, op, [c * row for c in split],
-                                            (split[w.rank],) + row_shape)
+                                            (split[rank],) + row_shape)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
     rows, row_shape, row = _rows_of(f.shape, "reduce_scatter")
-    split = split_rows(rows, w.size)
+    split = split_rows(rows, size)
     counts = [c * row for c in split]
-    result, g = tensors.empty_like(f, (split[w.rank],) + row_shape)
-    engine = _engine
+    result, g = tensors.empty_like(f, (split[rank],) + row_shape)
 
     def job():
         engine.reduce_scatter(f.array, g.array, f.dtype, op, f.shape, counts)
@@ -372,19 +484,20 @@ def _plan_reduce_scatter(tensor, op) -> Callable[[], Any]:
     return job
 
 
-def reduce_scatter(tensor, op: ReduceOp | str = Average, *, name: str | None = None):
+def reduce_scatter(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
+                   group: Group | None = None):
     """Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."""
-    return _dispatch(_plan_reduce_scatter(tensor, op), name or "reduce_scatter", False)
+    return _dispatch(_plan_reduce_scatter(tensor, op, group), name or "reduce_scatter", False)
 
 
 def reduce_scatter_async(tensor, op: ReduceOp | str = Average, *,
-                         name: str | None = None) -> Handle:
-    return _dispatch(_plan_reduce_scatter(tensor, op), name or "reduce_scatter_async", True)
+                         name: str | None = None,
+                         group: Group | None = None) -> Handle:
+    return _dispatch(_plan_reduce_scatter(tensor, op, group), name or "reduce_scatter_async", True)
 
 
-def barrier() -> None:
-    _w()
-    engine = _engine
+def barrier(*, group: Group | None = None) -> None:
+    engine, _, _ = _target(group)
     _runtime.run(engine.barrier, "barrier")
 
 

@@ -12,6 +12,15 @@ from typing import Any
 
 from .errors import DDLError
 
+_waiting = [0]  # threads blocked in Handle.wait(): their cores are idle
+_waiting_lock = threading.Lock()
+
+
+def callers_waiting() -> bool:
+    """Whether some thread is blocked waiting for queued work (so the worker running it
+    may spin on a core that would otherwise idle)."""
+    return _waiting[0] > 0
+
 
 class Handle:
     """The result of an ``*_async`` call: ``wait()`` returns it, ``poll()`` says if ready."""
@@ -30,8 +39,16 @@ class Handle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
-        if not self._done.wait(timeout):
-            raise DDLError(f"{self.name or 'operation'} did not finish within {timeout}s")
+        if not self._done.is_set():
+            with _waiting_lock:
+                _waiting[0] += 1
+            try:
+                done = self._done.wait(timeout)
+            finally:
+                with _waiting_lock:
+                    _waiting[0] -= 1
+            if not done:
+                raise DDLError(f"{self.name or 'operation'} did not finish within {timeout}s")
         if self._error is not None:
             raise self._error
         return self._result

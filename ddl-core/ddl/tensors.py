@@ -7,6 +7,7 @@ imported it.
 
 from __future__ import annotations
 
+import bisect
 import sys
 from typing import Any
 
@@ -138,3 +139,55 @@ def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
     return np.shares_memory(a, b) if a.size and b.size else False
+
+
+class Pieces:
+    """Several 1-D arrays of one dtype read as their concatenation: the source of a fused
+    allreduce whose fusion buffer is never filled (the engine stages each piece straight
+    from where it lives). Slices never cross the pieces returned by ``cuts``."""
+
+    __slots__ = ("arrays", "starts", "size", "nbytes", "dtype")
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.starts = [0]
+        for a in arrays:
+            self.starts.append(self.starts[-1] + a.size)
+        self.size = self.starts[-1]
+        self.nbytes = sum(a.nbytes for a in arrays)
+        self.dtype = arrays[0].dtype if arrays else np.dtype(np.uint8)
+
+    def cuts(self, lo: int, hi: int) -> list[tuple[int, int, np.ndarray]]:
+        """``(start, end, view)`` for the parts of elements ``[lo, hi)`` in each piece."""
+        out = []
+        k = bisect.bisect_right(self.starts, lo) - 1
+        while lo < hi:
+            a, s = self.arrays[k], self.starts[k]
+            e = min(hi, s + a.size)
+            if e > lo:
+                out.append((lo, e, a[lo - s : e - s]))
+            lo = max(lo, e)
+            k += 1
+        return out
+
+    def copy_to(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """``out[:] = self[lo:hi]``."""
+        for s, e, v in self.cuts(lo, hi):
+            np.copyto(out[s - lo : e - lo], v)
+
+    def copy_from(self, lo: int, hi: int, data: np.ndarray) -> None:
+        """``self[lo:hi] = data``."""
+        for s, e, v in self.cuts(lo, hi):
+            np.copyto(v, data[s - lo : e - lo])
+
+
+def copy_flat(src: np.ndarray | Pieces, dst: np.ndarray | Pieces) -> None:
+    """``dst[:] = src`` unless they are the same memory."""
+    if src is dst:
+        return
+    if isinstance(dst, Pieces):
+        raise TypeError("copy_flat: pieces are written only in place")
+    if isinstance(src, Pieces):
+        src.copy_to(0, src.size, dst)
+    elif src is not dst and not same_memory(src, dst):
+        np.copyto(dst, src)

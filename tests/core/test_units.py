@@ -145,3 +145,50 @@ def test_handle_done_callbacks_run_once_on_the_finishing_thread_or_at_once():
     rt.drain()
     assert isinstance(errors[0], ZeroDivisionError)
     rt.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_average_is_the_sum_divided_bit_for_bit(dtype, n):
+    """Average multiplies by 1/n when n is a power of two: that must be x / n exactly,
+    subnormals, infinities and NaNs included."""
+    fi = np.finfo(dtype)
+    rng = np.random.default_rng(n)
+    with np.errstate(over="ignore"):
+        terms = [rng.standard_normal(4099).astype(dtype) * fi.max / 8 for _ in range(n)]
+    terms[0][:6] = [fi.tiny, fi.tiny / 3, fi.max, np.inf, np.nan, -0.0]
+    out = np.empty_like(terms[0])
+    with np.errstate(all="ignore"):  # overflow to inf is part of the check
+        reduce_into(out, terms, Average, BY_NAME[dtype], n)
+        want = terms[0].copy()
+        for t in terms[1:]:
+            np.add(want, t, out=want)
+        np.divide(want, n, out=want, casting="unsafe")
+    assert np.array_equal(out.view(np.uint8), want.view(np.uint8))
+
+
+def test_pieces_read_and_write_as_their_concatenation():
+    from ddl.tensors import Pieces, copy_flat
+
+    arrays = [np.arange(s, dtype=np.int32) + 100 * k for k, s in enumerate([3, 0, 5, 1, 0, 4])]
+    whole = np.concatenate(arrays)
+    p = Pieces(arrays)
+    assert (p.size, p.nbytes, p.starts[-1]) == (13, 52, 13)
+    for lo in range(14):
+        for hi in range(lo, 14):
+            cuts = p.cuts(lo, hi)
+            assert all(s < e for s, e, _ in cuts)  # empty pieces give no cut
+            assert [s for s, _, _ in cuts][:1] == ([lo] if hi > lo else [])
+            got = np.concatenate([v for _, _, v in cuts]) if cuts else np.zeros(0, np.int32)
+            assert np.array_equal(got, whole[lo:hi])
+            out = np.empty(hi - lo, np.int32)
+            p.copy_to(lo, hi, out)
+            assert np.array_equal(out, whole[lo:hi])
+    p.copy_from(2, 9, -np.arange(7, dtype=np.int32))
+    whole[2:9] = -np.arange(7)
+    assert np.array_equal(np.concatenate(arrays), whole)
+    flat = np.empty(13, np.int32)
+    copy_flat(p, flat)
+    assert np.array_equal(flat, whole)
+    with pytest.raises(TypeError):
+        copy_flat(flat, p)

@@ -32,6 +32,14 @@ def test_distributed_optimizer_equals_one_process_with_the_whole_batch(n):
         # the settings did change the plans they were meant to change
         b = r["buckets"]
         assert b["no_fusion"] > b["small_buckets"] > b["num_groups"] == 2
+        # CPU gradients are never packed: fresh ones are reduced where they live; kept ones
+        # are summed into the fusion buffers once, then reduced there in place
+        m = r["modes"]
+        assert {x for step in m["default"] for x in step} == {"grads"}, m["default"]
+        for kept in ("kept_grads", "kept_grads_accumulate"):
+            assert [set(step) for step in m[kept]] == [{"grads"}, {"into"}, {"buffer"},
+                                                       {"buffer"}], (kept, m[kept])
+        assert {x for step in m["fp16"] for x in step} == {"packed"}  # cast on the way
 
 
 def test_horovod_api_and_broadcasts():

@@ -62,7 +62,8 @@ def test_collectives_while_ranks_are_joined(job):
         assert not _all_true(c), _all_true(c)
     running = [k for k in reps[1]["collectives"] if k.startswith("first0_")]
     for name in ("allreduce_sum", "allreduce_average", "allreduce_min", "allreduce_max",
-                 "allreduce_product", "allgather", "async", "grouped", "reduce_scatter",
+                 "allreduce_product", "allgather", "async", "grouped", "grouped_inplace",
+                 "reduce_scatter",
                  "alltoall", "broadcast_running_root", "broadcast_joined_root_raises",
                  "broadcast_object_raises", "allgather_object_raises", "after_errors"):
         assert f"first0_{name}" in running, name  # the checks did run

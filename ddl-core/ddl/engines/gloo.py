@@ -53,7 +53,10 @@ class GlooContext:
             ) from None
 
     def group(self, name: str, members: tuple[int, ...], position: int) -> GlooGroup:
+        """Made by the members only (they meet in the store under ``name``)."""
         return GlooGroup(self, name, members, position)
+
+    subgroup = group
 
 
 class GlooGroup:

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..dtypes import DType
 from ..ops import ReduceOp
+from ..tensors import copy_flat
 
 
 class LocalEngine:
@@ -20,8 +21,7 @@ class LocalEngine:
         pass
 
     def allreduce(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
-        if dst is not src:
-            np.copyto(dst, src)
+        copy_flat(src, dst)
 
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
         np.copyto(dst, src[: counts[0]])

@@ -3,15 +3,18 @@ communicator per grid line, split from COMM_WORLD. Same surface as the Gloo grou
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from ..dtypes import DType
 from ..errors import DDLConfigError, DDLPeerError
 from ..ops import ReduceOp
 
-# MPI has no float16/bfloat16/bool reductions in the standard: ddl's ring does those.
-_NATIVE = {"uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32",
-           "float64", "complex64", "complex128"}
+# MPI has no float16/bfloat16/bool reductions in the standard: ddl's ring does those. Nor
+# 8- and 16-bit integers: Open MPI 5's AVX reductions saturate them (250 + 8 gave 255, not 2).
+_NATIVE = {"int32", "uint32", "int64", "uint64", "float32", "float64", "complex64",
+           "complex128"}
 
 
 def _mpi():
@@ -33,6 +36,17 @@ class MPIContext:
         # Every rank of COMM_WORLD calls Split once per dimension (colour = line id), so
         # groups are made in the same order everywhere.
         comm = self.world.Split(color=members[0], key=position)
+        return MPIGroup(self.MPI, comm, name, members, position)
+
+    def subgroup(self, name: str, members: tuple[int, ...], position: int) -> MPIGroup:
+        """A group made by its members only (``ddl.new_group``): MPI_Comm_create_group."""
+        everyone = self.world.Get_group()
+        mine = everyone.Incl(list(members))
+        try:
+            comm = self.world.Create_group(mine, tag=zlib.crc32(name.encode()) & 0x7FFF)
+        finally:
+            mine.Free()
+            everyone.Free()
         return MPIGroup(self.MPI, comm, name, members, position)
 
 

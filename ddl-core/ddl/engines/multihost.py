@@ -1,6 +1,10 @@
 """The engine of a job that spans hosts (or asks for a grid): the DDL multi-dimensional
 allreduce over per-dimension engines (shared memory inside a host, Gloo across), plus a
-job-wide Gloo group for the collectives that have no multi-dimensional form yet."""
+job-wide Gloo group for the collectives that have no multi-dimensional form yet.
+
+``DimsEngine`` is that pair (a multi-dimensional allreduce and one group of every member)
+for any set of ranks: ``MultiHostEngine`` builds it for the job from the grid plan, and
+``ddl.new_group`` for a group of ranks on several hosts."""
 
 from __future__ import annotations
 
@@ -15,57 +19,24 @@ from ..dtypes import BY_NAME, DType
 from ..errors import DDLError
 from ..ops import ReduceOp
 from ..options import Options
-from ..tensors import same_memory
+from ..tensors import Pieces, copy_flat
 from ..topology import World
 from .gloo import GlooContext
 from .shm import ShmEngine
 
 
-class MultiHostEngine:
+class DimsEngine:
+    """Collectives of ``size`` ranks: allreduce over ``multidim``, the rest over ``group``
+    (a network group of every member, which this engine owns)."""
+
     heap = None  # ddl.malloc gives private memory here: peers are not all on this host
+    name = "ddl/dims"
 
-    def __init__(self, world: World, opts: Options, *, transport: str, addr: str, port: int,
-                 timeout: float, chunk_bytes: int, shm_kwargs: dict):
-        self.world = world
-        self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
-        if transport == "mpi":
-            from .mpi import MPIContext
-
-            self.ctx = MPIContext()
-        else:
-            self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
-        self.name = f"ddl/{transport}"
-        if shm_kwargs.get("wait_policy", "auto") == "auto":
-            # The dimensions across hosts run beside this one in their own threads (network
-            # I/O and reductions): a spinning waiter would take the cores they need. Measured
-            # at 2 hosts x 2 ranks, 16 MiB: 1.45x flat Gloo with futex waits, 1.37x spinning.
-            shm_kwargs = dict(shm_kwargs, wait_policy="futex")
-        dims = []
-        try:
-            for d in self.grid.dims:
-                if d.size == 1:
-                    continue
-                if d.intra_host:
-                    eng = ShmEngine(job_id=world.job_id, host_index=world.host_index,
-                                    local_rank=d.position, local_size=d.size,
-                                    global_rank=world.rank, scope=f"d{d.index}l{d.line_id}",
-                                    timeout=timeout, **shm_kwargs)
-                    dims.append(ShmDim(eng, d.index))
-                else:
-                    group = self.ctx.group(f"d{d.index}l{d.line_id}", d.members, d.position)
-                    dims.append(GroupDim(group, d.index, d.mode))
-            self.world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
-            for dim in dims:
-                if isinstance(dim, GroupDim) and dim.mode == "p":
-                    dim.explore(BY_NAME["float32"])
-        except BaseException:
-            for dim in dims:
-                dim.close()
-            raise
-        self.multidim = MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
-                                 timeout=timeout, dump_iter=opts.dump_iter)
-        self.size = world.size
-        self.rank = world.rank
+    def __init__(self, multidim: MultiDim, group, size: int, rank: int):
+        self.multidim = multidim
+        self.world_group = group
+        self.size = size
+        self.rank = rank
         self._failed: BaseException | None = None
 
     def _guard(self, fn: Callable, *args):
@@ -83,10 +54,15 @@ class MultiHostEngine:
     def describe(self) -> str:
         return self.multidim.describe()
 
-    def allreduce(self, src: np.ndarray, dst: np.ndarray, dt: DType, op: ReduceOp,
-                  shape) -> None:
-        if dst is not src and not same_memory(dst, src):
-            np.copyto(dst, src)
+    def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
+                  op: ReduceOp, shape) -> None:
+        if isinstance(dst, Pieces):  # in place on pieces: the pipeline needs one buffer
+            work = np.empty(dst.size, dt.storage)
+            copy_flat(src, work)
+            self._guard(self.multidim.allreduce, work, dt, op)
+            dst.copy_from(0, dst.size, work)
+            return
+        copy_flat(src, dst)  # the pipeline runs in place
         self._guard(self.multidim.allreduce, dst, dt, op)
 
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
@@ -125,3 +101,47 @@ class MultiHostEngine:
 
     def close(self) -> None:
         self.multidim.close()
+
+
+class MultiHostEngine(DimsEngine):
+    def __init__(self, world: World, opts: Options, *, transport: str, addr: str, port: int,
+                 timeout: float, chunk_bytes: int, shm_kwargs: dict):
+        self.world = world
+        self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
+        if transport == "mpi":
+            from .mpi import MPIContext
+
+            self.ctx = MPIContext()
+        else:
+            self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
+        self.name = f"ddl/{transport}"
+        if shm_kwargs.get("wait_policy", "auto") == "auto":
+            # The dimensions across hosts run beside this one in their own threads (network
+            # I/O and reductions): a spinning waiter would take the cores they need. Measured
+            # at 2 hosts x 2 ranks, 16 MiB: 1.45x flat Gloo with futex waits, 1.37x spinning.
+            shm_kwargs = dict(shm_kwargs, wait_policy="futex")
+        dims = []
+        try:
+            for d in self.grid.dims:
+                if d.size == 1:
+                    continue
+                if d.intra_host:
+                    eng = ShmEngine(job_id=world.job_id, host_index=world.host_index,
+                                    local_rank=d.position, local_size=d.size,
+                                    global_rank=world.rank, scope=f"d{d.index}l{d.line_id}",
+                                    timeout=timeout, **shm_kwargs)
+                    dims.append(ShmDim(eng, d.index))
+                else:
+                    group = self.ctx.group(f"d{d.index}l{d.line_id}", d.members, d.position)
+                    dims.append(GroupDim(group, d.index, d.mode))
+            world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
+            for dim in dims:
+                if isinstance(dim, GroupDim) and dim.mode == "p":
+                    dim.explore(BY_NAME["float32"])
+        except BaseException:
+            for dim in dims:
+                dim.close()
+            raise
+        super().__init__(MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
+                                  timeout=timeout, dump_iter=opts.dump_iter),
+                         world_group, world.size, world.rank)

@@ -51,6 +51,8 @@ from ..errors import (
     DDLTimeoutError,
 )
 from ..ops import ReduceOp, reduce_into
+from ..runtime import callers_waiting
+from ..tensors import Pieces
 from . import segments
 from .heap import Heap, PeerHeaps
 
@@ -183,6 +185,27 @@ class _Timespec(ctypes.Structure):
 
 _LITTLE = __import__("sys").byteorder == "little"
 _MAIN_THREAD = threading.main_thread()
+
+
+def _parts(src: np.ndarray | Pieces, lo: int, hi: int) -> list:
+    """``(lo, hi, view)`` for elements ``[lo, hi)`` of ``src``, cut where its pieces end."""
+    if isinstance(src, Pieces):
+        return src.cuts(lo, hi)
+    return [(lo, hi, src[lo:hi])]
+
+
+def _read(src: np.ndarray | Pieces, lo: int, hi: int, out: np.ndarray) -> None:
+    if isinstance(src, Pieces):
+        src.copy_to(lo, hi, out)
+    else:
+        np.copyto(out, src[lo:hi])
+
+
+def _write(dst: np.ndarray | Pieces, lo: int, hi: int, data: np.ndarray) -> None:
+    if isinstance(dst, Pieces):
+        dst.copy_from(lo, hi, data)
+    else:
+        np.copyto(dst[lo:hi], data)
 
 
 class ShmEngine:
@@ -389,9 +412,10 @@ class ShmEngine:
         load = self._q.__getitem__ if self._atomics is None else self._atomics.load
         n = 0
         spin, yields = self._spin, self._yields
-        if threading.current_thread() is not _MAIN_THREAD:
+        if threading.current_thread() is not _MAIN_THREAD and not callers_waiting():
             # Collectives off the main thread (async handles, DDP's comm hook, pipelines)
-            # run beside the user's compute: spinning would take the core it needs.
+            # run beside the user's compute: spinning would take the core it needs. Unless
+            # the caller is blocked waiting for them, which leaves its core idle.
             spin, yields = 0, 2
         while n < spin:
             if load(word) >= seq:
@@ -541,9 +565,12 @@ class ShmEngine:
         self._wait_all(s, what)
         self._check_meta(p, _SPAN_KEY, what)
 
-    def allreduce(self, src: np.ndarray, dst: np.ndarray, dt: DType, op: ReduceOp,
-                  shape: tuple[int, ...]) -> None:
-        """dst = op over ranks of src. ``dst`` is ``src`` itself or does not overlap it."""
+    def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
+                  op: ReduceOp, shape: tuple[int, ...]) -> None:
+        """dst = op over ranks of src. ``dst`` is ``src`` itself or does not overlap it.
+        ``src`` may be the ``Pieces`` of a fusion buffer that is never filled (reduced into
+        ``dst`` or in place): each piece is staged from where it lives, which saves the
+        packing pass over the data."""
         if src.nbytes <= self.small_bytes:
             self._run(self._allreduce_small, src, dst, dt, op, shape)
         else:
@@ -572,13 +599,17 @@ class ShmEngine:
         s = self._seq + 1
         p = s & 1
         mine, terms = self._small_views(p, src.nbytes, dt.storage)
-        np.copyto(mine, src.view(np.uint8))
+        _read(src, 0, src.size, terms[self.rank])
         self._write_meta(p, _key(ALLREDUCE, op), dt, src.size, shape)
         self._arrive(s)
         what = ("allreduce", dt.name, src.size, op)
         self._wait_all(s, what)
         self._check_meta(p, _SPAN_REDUCE, what)
-        reduce_into(dst, terms, op, dt, self.size)
+        if isinstance(dst, Pieces):
+            for lo, hi, out in dst.cuts(0, dst.size):
+                reduce_into(out, [t[lo:hi] for t in terms], op, dt, self.size)
+        else:
+            reduce_into(dst, terms, op, dt, self.size)
 
     def _reduce_scatter_steps(self, coll: int, src, dst, dt: DType, op: ReduceOp, shape,
                               counts: list[int]) -> None:
@@ -599,8 +630,8 @@ class ShmEngine:
         # are checked and buffer locations exchanged before anything else depends on them.
         s = self._seq + 1
         p = s & 1
-        in_loc = self.heap.locate(src)
-        out_loc = self.heap.locate(dst) if gather else 0
+        in_loc = 0 if isinstance(src, Pieces) else self.heap.locate(src)
+        out_loc = self.heap.locate(dst) if gather and not isinstance(dst, Pieces) else 0
         if not in_loc:
             self._stage_inputs(src, p, 0, c, counts, starts, st, isz)
         self._write_meta(p, _key(coll, op), dt, N, shape, 0, in_loc, out_loc)
@@ -639,31 +670,34 @@ class ShmEngine:
                     ln = min(counts[j] - a, c)
                     if ln > 0:
                         res = self._slots[p][j][n * c * isz : (n * c + ln) * isz].view(st)
-                        np.copyto(dst[starts[j] + a : starts[j] + a + ln], res)
+                        _write(dst, starts[j] + a, starts[j] + a + ln, res)
             if t < K:
                 a = t * c
                 ln = min(rc - a, c)
                 # Reduce in cache-sized blocks and pass each block on while it is hot.
+                base = starts[r] + a  # element at offset 0 of our part of the chunk
                 for b0 in range(0, max(ln, 0), blk):
-                    bl = min(blk, ln - b0)
-                    lo = starts[r] + a + b0
-                    hi = lo + bl
-                    terms = [src[lo:hi]]
-                    for i in self._peers:
-                        if in_views[i] is not None:
-                            terms.append(in_views[i][lo:hi])
+                    for lo, hi, mine in _parts(src, base + b0, base + min(b0 + blk, ln)):
+                        k, bl = lo - base, hi - lo  # k: offset inside our part of the chunk
+                        terms = [mine]
+                        for i in self._peers:
+                            if in_views[i] is not None:
+                                terms.append(in_views[i][lo:hi])
+                            else:
+                                o = (r * c + k) * isz
+                                terms.append(self._slots[p][i][o : o + bl * isz].view(st))
+                        if dst is src:
+                            out = mine
                         else:
-                            o = (r * c + b0) * isz
-                            terms.append(self._slots[p][i][o : o + bl * isz].view(st))
-                    out = dst[lo:hi] if gather else dst[a + b0 : a + b0 + bl]
-                    reduce_into(out, terms, op, dt, n)
-                    if need_res:
-                        o = (n * c + b0) * isz
-                        np.copyto(self._slots[p ^ 1][r][o : o + bl * isz].view(st), out)
-                    if gather:
-                        for j in self._peers:
-                            if out_views[j] is not None:
-                                np.copyto(out_views[j][lo:hi], out)
+                            out = dst[lo:hi] if gather else dst[a + k : a + k + bl]
+                        reduce_into(out, terms, op, dt, n)
+                        if need_res:
+                            o = (n * c + k) * isz
+                            np.copyto(self._slots[p ^ 1][r][o : o + bl * isz].view(st), out)
+                        if gather:
+                            for j in self._peers:
+                                if out_views[j] is not None:
+                                    np.copyto(out_views[j][lo:hi], out)
 
     def _stage_inputs(self, src, p: int, t: int, c: int, counts, starts, st, isz) -> None:
         """Copy chunk t of every part but ours into our slot, where its reducer reads it."""
@@ -672,8 +706,8 @@ class ShmEngine:
         for j in self._peers:
             ln = min(counts[j] - a, c)
             if ln > 0:
-                np.copyto(mine[j * c * isz : (j * c + ln) * isz].view(st),
-                          src[starts[j] + a : starts[j] + a + ln])
+                _read(src, starts[j] + a, starts[j] + a + ln,
+                      mine[j * c * isz : (j * c + ln) * isz].view(st))
 
     def allgather(self, src: np.ndarray, dt: DType, row_shape: tuple[int, ...],
                   alloc: Callable[[list[int]], np.ndarray]) -> np.ndarray:

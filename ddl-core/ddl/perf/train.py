@@ -6,7 +6,15 @@
 
 plus ``compute`` (the same step with no communication), and the communication alone: one
 raw allreduce of all gradient bytes on gloo and on ddl (plain tensor and ``ddl.malloc``
-buffer) vs the DistributedOptimizer's whole gradient exchange (pack, allreduce, unpack).
+buffer) vs the DistributedOptimizer's whole gradient exchange (``synchronize()``: every
+bucket, with its control step, launched and waited for).
+
+The exchange is measured for both ways gradients come to it: fresh tensors each step
+(``zero_grad()``, torch's default ``set_to_none=True``) and kept ones
+(``zero_grad(set_to_none=False)``, accumulated into the fusion buffers). Its like-for-like
+reference, ``raw-ddl-fresh``, is one raw allreduce with the optimizer's op (Average) of a
+tensor made just before, as fresh gradients are; ``raw-ddl`` reuses one tensor, which
+partly stays in the last-level cache.
 
     python -m ddl.perf.train --ranks 2 --steps 20 --rounds 3 [--json out.json]
     python -m ddl.perf.train ... --horovod /path/to/horovod-venv   # + Horovod itself
@@ -31,6 +39,8 @@ import time
 from collections.abc import Callable, Sequence
 
 MODES = ("compute", "ddp-gloo", "ddp-ddl", "hvd-ddl")
+COMM = ("raw-gloo", "raw-ddl", "raw-ddl-malloc", "raw-ddl-fresh", "hvd-exchange",
+        "hvd-exchange-kept")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,13 +100,18 @@ def _worker(args: argparse.Namespace) -> int:
         return out
 
     times: dict[str, list[float]] = {m: [] for m in MODES}
-    comm: dict[str, list[float]] = {k: [] for k in
-                                    ("raw-gloo", "raw-ddl", "raw-ddl-malloc", "hvd-exchange")}
+    comm: dict[str, list[float]] = {k: [] for k in COMM}
     nbytes = params * 4
     flat = torch.ones(params)
     heap = torch.from_numpy(ddl.malloc((params,), "float32"))
     heap.fill_(1.0)
     hnet, hopt = runs["hvd-ddl"]
+    fresh = [flat]
+
+    def fresh_flat() -> None:
+        # as fresh gradients are: made just before, not reused from the last call
+        fresh[0] = fresh[0].clone()
+
     for _ in range(args.rounds):
         for m in MODES:
             hvd.barrier()
@@ -106,15 +121,18 @@ def _worker(args: argparse.Namespace) -> int:
         comm["raw-gloo"] += timed(lambda: dist.all_reduce(flat, group=gloo), args.comm_reps)
         comm["raw-ddl"] += timed(lambda: ddl.allreduce_(flat, ddl.Sum), args.comm_reps)
         comm["raw-ddl-malloc"] += timed(lambda: ddl.allreduce_(heap, ddl.Sum), args.comm_reps)
+        comm["raw-ddl-fresh"] += timed(lambda: ddl.allreduce_(fresh[0], ddl.Average),
+                                       args.comm_reps, fresh_flat)
 
         def fresh_grads() -> None:
-            # as after a backward with zero_grad(set_to_none=True): gradients in their own
-            # memory, so the timed exchange includes packing them into the fusion buffers
+            # as after a backward that followed zero_grad(set_to_none=True): every
+            # gradient in memory of its own, made just now
             for p in hnet.parameters():
                 p.grad = p.grad.clone()
 
-        # no hook fires here: synchronize() packs, allreduces and unpacks every bucket
+        # no hook fires here: synchronize() launches and waits for every bucket
         comm["hvd-exchange"] += timed(hopt.synchronize, args.comm_reps, fresh_grads)
+        comm["hvd-exchange-kept"] += timed(hopt.synchronize, args.comm_reps)
     final = {m: torch.cat([p.detach().reshape(-1) for p in nets[m].parameters()])
              for m in ("ddp-gloo", "ddp-ddl")}
     same = bool(torch.allclose(final["ddp-gloo"], final["ddp-ddl"], atol=1e-5))
@@ -236,10 +254,10 @@ def format_table(res: dict) -> str:
                      f"{'' if mode == 'compute' else f'{1e3 * exposed:.1f}':>16} "
                      f"{m[mode] / m['ddp-gloo']:11.2f}x")
     lines.append(f"# {'communication only':<28} {'ms':>8} {'GB/s algbw':>11} "
-                 f"{'vs raw-ddl':>11}")
-    for k in ("raw-gloo", "raw-ddl", "raw-ddl-malloc", "hvd-exchange"):
+                 f"{'vs raw-ddl':>11} {'vs raw-ddl-fresh':>17}")
+    for k in COMM:
         lines.append(f"  {k:<28} {1e3 * m[k]:8.1f} {res['bytes'] / m[k] / 1e9:11.2f} "
-                     f"{m[k] / m['raw-ddl']:10.2f}x")
+                     f"{m[k] / m['raw-ddl']:10.2f}x {m[k] / m['raw-ddl-fresh']:16.2f}x")
     if "horovod" in res:
         h = res["horovod"]["median_s"]
         lines.append(f"# Horovod {res['horovod']['horovod_version']} (its own job, right after; "

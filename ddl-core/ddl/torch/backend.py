@@ -8,10 +8,9 @@ A Python subclass of ``torch.distributed.ProcessGroup`` whose collectives are th
 completes each ``Work``'s future when its last handle finishes, so DDP's bucket allreduces
 overlap with the rest of backward exactly as they do on gloo.
 
-Groups: a group of every rank (the default group, or ``new_group()`` of all ranks) runs on
-the core. The core's public API has no sub-communicators yet, so a ``new_group`` of a strict
-subset of ranks is served by a gloo backend built on the same store; results are the same,
-only the transport differs.
+Groups: the default group (and ``new_group()`` of every rank in order) runs on the job's
+engine; ``new_group`` of other ranks gets a ``ddl.new_group`` of its own: shared memory when
+its members share a host, the job's network transport otherwise.
 """
 
 from __future__ import annotations
@@ -175,12 +174,14 @@ def _unsupported(call: str, hint: str = "") -> NotImplementedError:
 
 
 class DDLProcessGroup(dist.ProcessGroup):
-    """A process group of every rank of the job, backed by the ddl core."""
+    """A process group backed by the ddl core: the job's ranks, or a ``ddl.Group``."""
 
-    def __init__(self, rank: int, size: int, timeout: timedelta | None = None) -> None:
+    def __init__(self, rank: int, size: int, timeout: timedelta | None = None,
+                 group: ddl.Group | None = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout
+        self._group = group
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
@@ -189,24 +190,27 @@ class DDLProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     def __repr__(self) -> str:
-        return f"DDLProcessGroup(rank={self._rank}, size={self._size})"
+        ranks = f", ranks={list(self._group.ranks)}" if self._group is not None else ""
+        return f"DDLProcessGroup(rank={self._rank}, size={self._size}{ranks})"
 
     # ---------------------------------------------------------------- allreduce
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
         op = _reduce_op(opts, "allreduce")
-        handles = [ddl.allreduce_async_(t, op, name="torch.allreduce") for t in tensors]
+        handles = [ddl.allreduce_async_(t, op, name="torch.allreduce",
+                                        group=self._group) for t in tensors]
         return _work(handles, lambda: list(tensors), "allreduce")
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
         op = _reduce_op(opts, "allreduce_coalesced")
-        handles = [ddl.allreduce_async_(t, op, name="torch.allreduce_coalesced")
+        handles = [ddl.allreduce_async_(t, op, name="torch.allreduce_coalesced", group=self._group)
                    for t in tensors]
         return _work(handles, lambda: list(tensors), "allreduce_coalesced")
 
     # ---------------------------------------------------------------- broadcast
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
-        handles = [ddl.broadcast_async_(t, root, name="torch.broadcast") for t in tensors]
+        handles = [ddl.broadcast_async_(t, root, name="torch.broadcast",
+                                        group=self._group) for t in tensors]
         return _work(handles, lambda: list(tensors), "broadcast")
 
     # ---------------------------------------------------------------- allgather
@@ -217,7 +221,7 @@ class DDLProcessGroup(dist.ProcessGroup):
             if len(outs) != self._size:
                 raise ValueError(f"allgather: {len(outs)} output tensors for {self._size} ranks")
             pending.append((outs, ddl.allgather_async(inp.reshape(1, -1),
-                                                      name="torch.allgather")))
+                                                      name="torch.allgather", group=self._group)))
 
         def finish():
             with torch.no_grad():
@@ -235,7 +239,8 @@ class DDLProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> DDLWork:
-        h = ddl.allgather_async(input.reshape(1, -1), name="torch.all_gather_into_tensor")
+        h = ddl.allgather_async(input.reshape(1, -1), name="torch.all_gather_into_tensor",
+                                group=self._group)
 
         def finish():
             with torch.no_grad():
@@ -266,7 +271,8 @@ class DDLProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"reduce_scatter: {len(ins)} inputs for {self._size} ranks")
             stacked = torch.stack([i.reshape(-1) for i in ins])
             pending.append((out, ddl.reduce_scatter_async(stacked, op,
-                                                           name="torch.reduce_scatter")))
+                                                           name="torch.reduce_scatter",
+                                                          group=self._group)))
         return _work([h for _, h in pending], _copy_rows(pending), "reduce_scatter")
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -276,7 +282,8 @@ class DDLProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
                              f"expected {self._size} x {output.numel()}")
         pending = [(output, ddl.reduce_scatter_async(input.reshape(self._size, -1), op,
-                                                     name="torch.reduce_scatter_tensor"))]
+                                                     name="torch.reduce_scatter_tensor",
+                                                     group=self._group))]
         return _work([pending[0][1]], _copy_rows(pending), "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single
@@ -294,7 +301,8 @@ class DDLProcessGroup(dist.ProcessGroup):
         # memory, and only the root's tensor changes, as the reduce contract says.
         op = _reduce_op(opts, "reduce")
         root = opts.rootRank
-        pending = [(t, ddl.allreduce_async(t, op, name="torch.reduce")) for t in tensors]
+        pending = [(t, ddl.allreduce_async(t, op, name="torch.reduce",
+                                           group=self._group)) for t in tensors]
 
         def finish():
             with torch.no_grad():
@@ -310,7 +318,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                input_tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
         root = opts.rootRank
         inp = input_tensors[0]
-        h = ddl.allgather_async(inp.reshape(1, -1), name="torch.gather")
+        h = ddl.allgather_async(inp.reshape(1, -1), name="torch.gather", group=self._group)
 
         def finish():
             rows = h.wait()
@@ -330,7 +338,7 @@ class DDLProcessGroup(dist.ProcessGroup):
             stacked = torch.stack([i.reshape(-1) for i in input_lists[0]])
         else:
             stacked = torch.empty((self._size, out.numel()), dtype=out.dtype)
-        h = ddl.broadcast_async_(stacked, root, name="torch.scatter")
+        h = ddl.broadcast_async_(stacked, root, name="torch.scatter", group=self._group)
 
         def finish():
             with torch.no_grad():
@@ -345,7 +353,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                           input_split_sizes: Sequence[int] | None,
                           opts: Any = None) -> DDLWork:
         splits = list(input_split_sizes) if input_split_sizes else None
-        result, _ = collectives.alltoall(input, splits)
+        result, _ = collectives.alltoall(input, splits, group=self._group)
         with torch.no_grad():
             output.copy_(result.view(output.shape))
         return _done([output], "all_to_all_single")
@@ -356,7 +364,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                  input_tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
         flat = torch.cat([t.reshape(-1) for t in input_tensors])
         splits = [t.numel() for t in input_tensors]
-        result, received = collectives.alltoall(flat, splits)
+        result, received = collectives.alltoall(flat, splits, group=self._group)
         with torch.no_grad():
             off = 0
             for out, n in zip(output_tensors, received):
@@ -367,11 +375,11 @@ class DDLProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts: Any = None) -> DDLWork:
         # Queued behind earlier async work, like every other collective.
-        h = ddl.allreduce_async_(torch.zeros(1), ddl.Sum, name="torch.barrier")
+        h = ddl.allreduce_async_(torch.zeros(1), ddl.Sum, name="torch.barrier", group=self._group)
         return _work([h], lambda: [], "barrier")
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
-        ddl.barrier()
+        ddl.barrier(group=self._group)
 
     # ------------------------------------------------------------ not supported
     def send(self, tensors, dst_rank, tag=0):
@@ -442,8 +450,12 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
             f"torch.distributed asks for a group of {size} ranks but the ddl job has "
             f"{ddl.size()} (WORLD_SIZE): launch with ddlrun -n {size}"
         )
-    # A strict subset of ranks: the core has no sub-communicators yet.
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    # Another set of ranks: torch calls this on the members only, with a store of their
+    # own, through which they learn each other's job rank (torch's group rank i is
+    # members[i]) and then make the ddl group.
+    store.set(f"ddl/member/{rank}", str(ddl.rank()))
+    members = [int(store.get(f"ddl/member/{i}")) for i in range(size)]
+    return DDLProcessGroup(rank, size, timeout, ddl.new_group(members))
 
 
 def register() -> None:

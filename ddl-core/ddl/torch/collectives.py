@@ -17,9 +17,11 @@ import torch
 import ddl
 
 
-def alltoall_splits(rows: int, splits: Sequence[int] | None) -> list[int]:
-    """How many rows go to each rank: ``splits``, checked, or an even split."""
-    n = ddl.size()
+def alltoall_splits(rows: int, splits: Sequence[int] | None, n: int | None = None
+                    ) -> list[int]:
+    """How many rows go to each of ``n`` ranks (the job's by default): ``splits``,
+    checked, or an even split."""
+    n = ddl.size() if n is None else n
     if splits is None:
         if rows % n:
             raise ddl.DDLConfigError(
@@ -34,11 +36,12 @@ def alltoall_splits(rows: int, splits: Sequence[int] | None) -> list[int]:
     return splits
 
 
-def alltoall_receive(table: np.ndarray, data: torch.Tensor, tail: tuple[int, ...]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows out of every rank's gathered rows (``table[i][j]``: rows rank i
-    sends to rank j, in j order), and how many came from each rank."""
-    me = ddl.rank()
+def alltoall_receive(table: np.ndarray, data: torch.Tensor, tail: tuple[int, ...],
+                     me: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``me``'s rows (this rank's by default) out of every rank's gathered rows
+    (``table[i][j]``: rows rank i sends to rank j, in j order), and how many came from
+    each rank."""
+    me = ddl.rank() if me is None else me
     pieces, start = [], 0
     for i in range(table.shape[0]):
         off = start + int(table[i, :me].sum())
@@ -48,15 +51,19 @@ def alltoall_receive(table: np.ndarray, data: torch.Tensor, tail: tuple[int, ...
     return out, torch.from_numpy(np.ascontiguousarray(table[:, me]))
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[j]`` rows of ``tensor`` (dim 0, in order) to rank ``j``; return the rows
-    received, in rank order, and how many came from each rank."""
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *,
+             group: ddl.Group | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[j]`` rows of ``tensor`` (dim 0, in order) to rank ``j`` (of ``group``,
+    or of the job); return the rows received, in rank order, and how many came from each
+    rank."""
     rows = tensor.shape[0] if tensor.dim() else 1
-    splits = alltoall_splits(rows, splits)
-    table = ddl.allgather(np.asarray([splits], dtype=np.int64))  # table[i][j]: i sends to j
-    data = ddl.allgather(tensor.reshape(rows, -1) if tensor.dim() else tensor.reshape(1, 1))
-    return alltoall_receive(table, data, tuple(tensor.shape[1:]))
+    n, me = (ddl.size(), ddl.rank()) if group is None else (group.size, group.rank)
+    splits = alltoall_splits(rows, splits, n)
+    # table[i][j]: rows rank i sends to rank j
+    table = ddl.allgather(np.asarray([splits], dtype=np.int64), group=group)
+    data = ddl.allgather(tensor.reshape(rows, -1) if tensor.dim() else tensor.reshape(1, 1),
+                         group=group)
+    return alltoall_receive(table, data, tuple(tensor.shape[1:]), me)
 
 
 def _dumps(obj: Any) -> np.ndarray:

@@ -246,10 +246,30 @@ def _submit(mine: np.ndarray, data: Callable[[], Any], name: str, async_: bool,
 
 
 # ----------------------------------------------------- collectives of running ranks
+class Ready:
+    """A handle for work already finished on this thread."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._value
+
+
 def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,
                      async_: bool = True, prescale: float = 1.0, postscale: float = 1.0,
-                     before: Callable[[], None] | None = None) -> Any:
-    data = _api._plan_allreduce(tensor, op, None, inplace)
+                     before: Callable[[], None] | None = None,
+                     sources: list | None = None) -> Any:
+    """Allreduce ``tensor``. With ``sources``, ``tensor`` is the fusion buffer they would
+    be packed into, never packed: their sum goes into it, or back into the sources when
+    ``inplace`` (ranks that joined see an allreduce of ``tensor`` either way)."""
+    if sources is None:
+        data = _api._plan_allreduce(tensor, op, None, inplace)
+    else:
+        data = _api._plan_allreduce_into(sources, None if inplace else tensor, op)
     mine = _descriptor(ALLREDUCE, op, _code(tensor), tuple(tensor.shape), 0, prescale, postscale)
     return _submit(mine, data, name, async_, before)
 

@@ -22,6 +22,9 @@ from ddl.ops import parse_op
 from . import collectives
 from .compression import Compression, Compressor
 from .join import (
+    Ready as _Ready,
+)
+from .join import (
     check_object_collective,
     run_alltoall,
     run_barrier,
@@ -85,19 +88,6 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<ddl.torch.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
-
-
-class _Ready:
-    """A handle for work already finished on this thread."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def poll(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self._value
 
 
 def synchronize(handle: Any) -> Any:
@@ -218,7 +208,17 @@ def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_
     for i, (s, _) in enumerate(sent):
         by_key.setdefault((s.dtype, s.device), []).append(i)
     parts = []
-    for idx in by_key.values():
+    direct = inplace and compression is Compression.none and prescale_factor == 1.0
+    for (dtype, device), idx in by_key.items():
+        if direct and device.type == "cpu":
+            # reduced where they live, as one fused collective: nothing is packed
+            group = [tensors[i] for i in idx]
+            numel = sum(t.numel() for t in group)
+            stand_in = torch.empty(numel, dtype=dtype, device="meta")  # the fused shape
+            parts.append((idx, submit_allreduce(stand_in, rop, name=name or "grouped_allreduce",
+                                                inplace=True, postscale=postscale_factor,
+                                                sources=group)))
+            continue
         flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
         if prescale_factor != 1.0:
             flat.mul_(prescale_factor)
@@ -230,6 +230,13 @@ def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_
         out: list[Any] = [None] * len(tensors)
         for idx, h in parts:
             flat = h.wait()
+            if isinstance(flat, list):  # reduced in place, piece by piece
+                for i in idx:
+                    if postscale_factor != 1.0:
+                        with torch.no_grad():
+                            tensors[i].mul_(postscale_factor)
+                    out[i] = tensors[i]
+                continue
             if postscale_factor != 1.0:
                 flat.mul_(postscale_factor)
             off = 0

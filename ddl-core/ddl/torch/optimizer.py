@@ -19,6 +19,7 @@ import functools
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import ddl
 
 from . import fusion
 from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
-from .join import broadcast_plan, register_optimizer, submit_allreduce
+from .join import Ready, broadcast_plan, register_optimizer, submit_allreduce
 from .settings import cycle_time_ms as _default_cycle_ms
 from .settings import fusion_threshold_bytes as _default_threshold
 
@@ -167,11 +168,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         # Plain copies are exact and need no temporary for the built-in compressors.
         self._fast = compression in (NoneCompressor, FP16Compressor)
+        # gradients go to the allreduce as they are: no cast, no scaling before the sum
+        self._direct = compression is NoneCompressor and self._prescale == 1.0
         self._keys = [self._key(p) for p in self._params]
         self._numels = [p.numel() for p in self._params]
         self._itemsizes = [torch.empty(0, dtype=k[0]).element_size() for k in self._keys]
         self._fixed_groups = self._explicit_groups(num_groups, groups)
         self._lock = threading.Lock()
+        self._inline = False  # launches from synchronize() run on the caller's thread
         self._set_plan(self._initial_plan())
         self._ready_at = [float("nan")] * len(self._params)
         self._steps = 0
@@ -274,6 +278,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for i in bucket.members:
                 self._bucket_of[i] = b
         self._buffers: list[torch.Tensor | None] = [None] * len(plan)
+        # per bucket: the gradients of its last direct allreduce (weakly: to tell gradients
+        # kept across steps from fresh ones) and where that allreduce put its sums
+        self._kept: list[list[weakref.ref]] = [[] for _ in plan]
+        self._direct_mode: list[str | None] = [None] * len(plan)
+        self._last_modes: list[str | None] = []
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -310,10 +319,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, b: int) -> None:
         bucket = self._plan[b]
-        buf = self._buffers[b]
-        if buf is None:
-            dtype, device = bucket.key
-            buf = self._buffers[b] = _buffer(bucket.numel, dtype, torch.device(device))
+        dtype, device = bucket.key
+        grads = self._grads(bucket)
+        name = f"grad.bucket{b}"
+        if device == "cpu" and self._direct and all(g.dtype == dtype for g in grads):
+            self._launch_direct(b, bucket, grads, name)
+            return
+        buf = self._buffer(b)
+        self._direct_mode[b] = "packed"
+        pack = functools.partial(self._pack, bucket, buf, grads)
+        if buf.device.type == "cpu":
+            # Copied in on ddl's worker thread, as Horovod's background thread does: the
+            # thread running backward only queues, and the copy runs right before the
+            # allreduce, in the same order on every rank.
+            before = pack
+        else:
+            pack()  # on the caller's CUDA stream, which the collective then waits for
+            before = None
+        self._submit(b, buf, name=name, inplace=True, prescale=self._prescale,
+                     postscale=self._postscale, before=before)
+
+    def _grads(self, bucket: fusion.Bucket) -> list[torch.Tensor]:
         grads = []
         with torch.no_grad():
             for i in bucket.members:
@@ -330,18 +356,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "sparse_as_dense=True to DistributedOptimizer")
                     g = p.grad = g.to_dense()
                 grads.append(g)
-        pack = functools.partial(self._pack, bucket, buf, grads)
-        if buf.device.type == "cpu":
-            # Copied in on ddl's worker thread, as Horovod's background thread does: the
-            # thread running backward only queues, and the copy runs right before the
-            # allreduce, in the same order on every rank.
-            before = pack
+        return grads
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        buf = self._buffers[b]
+        if buf is None:
+            dtype, device = self._plan[b].key
+            buf = self._buffers[b] = _buffer(self._plan[b].numel, dtype, torch.device(device))
+        return buf
+
+    def _launch_direct(self, b: int, bucket: fusion.Bucket, grads: list, name: str) -> None:
+        """CPU gradients sent as they are: never packed. Which memory the sum goes to
+        depends on where the gradients live (all three are the same allreduce on the wire)."""
+        buf = self._buffers[b]
+        if buf is not None and self._in_place(bucket, buf, grads):
+            # Accumulated straight into the shared buffer (zero_grad(set_to_none=False)
+            # after a step that left views): peers read and write it in place, the cheapest.
+            self._submit(b, buf, name=name, inplace=True)
+            self._direct_mode[b] = "buffer"
+        elif len(self._kept[b]) == len(grads) and all(r() is g
+                                                      for r, g in zip(self._kept[b], grads)):
+            # The same gradient tensors as last step (kept, not reset): sum them into the
+            # buffer once and hand out views of it, so later steps take the branch above.
+            buf = self._buffer(b)
+            self._submit(b, buf, name=name, sources=grads)
+            self._direct_mode[b] = "into"
         else:
-            pack()  # on the caller's CUDA stream, which the collective then waits for
-            before = None
-        self._handles[b] = submit_allreduce(buf, self._op, name=f"grad.bucket{b}", inplace=True,
-                                            prescale=self._prescale, postscale=self._postscale,
-                                            before=before)
+            # Fresh gradients (zero_grad(set_to_none=True), the default): reduced in place,
+            # each staged from where it lives; the buffer is not even needed for that.
+            self._submit(b, self._stand_in(bucket), name=name, inplace=True, sources=grads)
+            self._direct_mode[b] = "grads"
+        self._kept[b] = [weakref.ref(g) for g in grads]
+
+    def _submit(self, b: int, tensor: torch.Tensor, **kw: Any) -> None:
+        if self._inline:
+            # from synchronize(), which waits at once: run on this thread when ddl has
+            # nothing queued, as blocking calls do (no hand-off to and from the worker)
+            self._handles[b] = Ready(submit_allreduce(tensor, self._op, async_=False, **kw))
+        else:
+            self._handles[b] = submit_allreduce(tensor, self._op, **kw)
+
+    @staticmethod
+    def _stand_in(bucket: fusion.Bucket) -> torch.Tensor:
+        """What the bucket's fusion buffer looks like, without its memory (for the join
+        descriptor, which ranks that joined answer with zeros of that shape)."""
+        return torch.empty(bucket.numel, dtype=bucket.key[0], device="meta")
+
+    def _in_place(self, bucket: fusion.Bucket, buf: torch.Tensor, grads: list) -> bool:
+        base, isz = buf.data_ptr(), buf.element_size()
+        return all(g.data_ptr() == base + off * isz and g.is_contiguous()
+                   for off, g in zip(bucket.offsets, grads))
 
     def _pack(self, bucket: fusion.Bucket, buf: torch.Tensor, grads: list) -> None:
         with torch.no_grad():
@@ -357,6 +421,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 buf.mul_(self._prescale)
 
     def _unpack(self, b: int) -> None:
+        if self._direct_mode[b] == "grads":
+            return  # the sums are in p.grad already
         bucket, buf = self._plan[b], self._buffers[b]
         with torch.no_grad():
             if self._postscale != 1.0:
@@ -377,16 +443,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- public API
     def synchronize(self) -> None:
         """Finish every gradient allreduce of this step; ``p.grad`` then holds the result."""
-        with self._lock:
-            while self._next < len(self._plan):
-                self._launch(self._next)
-                self._next += 1
         try:
+            with self._lock:
+                self._inline = True
+                try:
+                    while self._next < len(self._plan):
+                        self._launch(self._next)
+                        self._next += 1
+                finally:
+                    self._inline = False
             for b, h in enumerate(self._handles):
                 h.wait()
                 self._unpack(b)
         finally:
             ready = list(self._ready_at)
+            self._last_modes = list(self._direct_mode)
             self._reset_step()
         self._synchronized = True
         self._steps += 1
@@ -459,6 +530,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def buckets(self) -> list[fusion.Bucket]:
         """The current fusion plan (for inspection and tests)."""
         return list(self._plan)
+
+    @property
+    def exchange_modes(self) -> list[str | None]:
+        """How the last ``synchronize()`` moved each bucket: ``"grads"`` (reduced in place
+        where the gradients live), ``"into"`` (summed into the fusion buffer, whose views
+        become the gradients), ``"buffer"`` (gradients already were those views: reduced in
+        the buffer in place) or ``"packed"`` (copied, cast or compressed into the buffer)."""
+        return list(self._last_modes)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the wrapper stops working)."""

@@ -136,6 +136,60 @@ for count in SIZES:
     check_equal(h, want, f"heap in place [{count}]")
     record(h)
 
+# grouped (fused) allreduce: pieces of every size, staged from where they live
+from ddl import api  # noqa: E402
+
+GROUPS = [[0], [5, 0, 3], [1000, 1, 4099], [65537, 7, 300_001 - 65537 - 7], [200_000, 100_001]]
+for dtype in DTYPES:
+    for op in ops_for(dtype):
+        for g, sizes in enumerate(GROUPS):
+            total = sum(sizes)
+            want = expect(dtype, total, 9 + g, op)
+            whole = gen(R, dtype, total, 9 + g, op)
+            cuts = np.cumsum([0] + sizes)
+            parts = [whole[a:b].copy() for a, b in zip(cuts, cuts[1:])]
+            ddl.grouped_allreduce_(parts, op=op)
+            for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                check_equal(parts[k], want[a:b], f"grouped_allreduce_ {dtype}{sizes} {op.name}")
+            record(np.concatenate(parts))
+for sizes in GROUPS[1:]:
+    total = sum(sizes)
+    whole = gen(R, "float32", total, 10)
+    cuts = np.cumsum([0] + sizes)
+    want = expect("float32", total, 10, ddl.Sum)
+    for into in ("heap", "private", "aliased"):
+        out = ddl.malloc((total,), np.float32) if into != "private" else np.empty(total, np.float32)
+        if into == "aliased":  # the second piece already lives at its place in out
+            out[:] = whole
+            parts = [whole[a:b].copy() if k != 1 else out[a:b]
+                     for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        else:
+            parts = [whole[a:b].copy() for a, b in zip(cuts, cuts[1:])]
+        keep = [p.copy() for p in parts]
+        r = api._dispatch(api._plan_allreduce_into(parts, out, ddl.Sum), "into", False)
+        assert r is out
+        check_equal(out, want, f"fused allreduce into {into} buffer {sizes}")
+        for k, (p_, k_) in enumerate(zip(parts, keep)):
+            if not (into == "aliased" and k == 1):
+                check_equal(p_, k_, "fused allreduce into a buffer must not modify its sources")
+        record(out)
+# a non-contiguous piece is staged and written back; the async form keeps order
+m2 = gen(R, "int64", 4000, 11).reshape(40, 100)
+flat2 = gen(R, "int64", 77, 12)
+h = ddl.grouped_allreduce_async_([m2[:, ::3], flat2], op=ddl.Max)
+assert ddl.synchronize(h)[1] is flat2
+check_equal(m2[:, ::3], expect("int64", 4000, 11, ddl.Max).reshape(40, 100)[:, ::3],
+            "grouped_allreduce_ non-contiguous piece")
+check_equal(flat2, expect("int64", 77, 12, ddl.Max), "grouped_allreduce_ after a strided piece")
+for bad, why in (([np.zeros(3, np.float32), np.zeros(3, np.int32)], "dtypes"),
+                 ([flat2, flat2[10:20]], "share memory"), ([], "no tensors")):
+    try:
+        ddl.grouped_allreduce_(bad, op=ddl.Sum)
+    except ddl.DDLConfigError as e:
+        assert why in str(e), e
+    else:
+        raise SystemExit(f"rank {R}: grouped_allreduce_ accepted bad input ({why})")
+
 # allgather: equal and unequal first dimensions, several dtypes
 for dtype in ("uint8", "int64", "float16", "float64", "bool"):
     for rows in (0, 1, 3, 1000):

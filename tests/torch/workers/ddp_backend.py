@@ -73,10 +73,34 @@ except NotImplementedError as exc:
 # -------------------------------------------------------------------- groups
 everyone_gloo = dist.new_group(backend="gloo")
 pair = dist.new_group(ranks=[0, 1], backend="ddl")  # a strict subset when N > 2
-if R in (0, 1):
+rest = dist.new_group(ranks=list(range(2, N)), backend="ddl") if N > 3 else None
+mine = pair if R in (0, 1) else rest
+if mine is not None:
+    members = [0, 1] if R in (0, 1) else list(range(2, N))
+    me, size = members.index(R), len(members)
     t = torch.full((2,), float(R + 1))
-    dist.all_reduce(t, group=pair)
-    ok["subgroup"] = bool(torch.equal(t, torch.full((2,), 3.0)))
+    dist.all_reduce(t, group=mine)
+    ok["subgroup"] = bool(torch.equal(t, torch.full((2,), float(sum(members) + size))))
+    backend = mine  # torch hands back what the backend's creator made
+    if size == N:  # every rank: the job's own engine
+        ok["subgroup_is_ddl"] = type(backend).__name__ == "DDLProcessGroup"
+    else:  # shared memory of its own
+        ok["subgroup_is_ddl"] = (type(backend).__name__ == "DDLProcessGroup"
+                                 and list(backend._group.ranks) == members
+                                 and backend._group.engine.name == "shm")
+    b = torch.full((3,), float(R))
+    dist.broadcast(b, src=members[-1], group=mine)  # a job rank, as torch takes it
+    ok["subgroup_broadcast"] = bool(torch.equal(b, torch.full((3,), float(members[-1]))))
+    gathered = torch.empty(size * 2)
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(R)), group=mine)
+    ok["subgroup_all_gather"] = gathered.tolist() == [float(r) for r in members for _ in (0, 1)]
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(size * 2, dtype=torch.float32), group=mine)
+    ok["subgroup_reduce_scatter"] = rs.tolist() == [size * (2.0 * me), size * (2.0 * me + 1)]
+    a2a = torch.empty(size)
+    dist.all_to_all_single(a2a, torch.full((size,), float(R)), group=mine)
+    ok["subgroup_alltoall"] = a2a.tolist() == [float(r) for r in members]
+    dist.barrier(group=mine)
 everyone_ddl = dist.new_group(backend="ddl")
 t = torch.ones(3)
 dist.all_reduce(t, group=everyone_ddl)

@@ -43,6 +43,13 @@ g = hvd.grouped_allreduce([x, torch.full((2, 2), float(R), dtype=torch.float64),
 ok["grouped_allreduce"] = (eq(g[0], torch.full((4,), tri))
                            and eq(g[1], torch.full((2, 2), N * (N - 1) / 2, dtype=torch.float64))
                            and eq(g[2], torch.full((3,), float(N))))
+# in place: CPU tensors are reduced where they live, one fused collective per dtype
+gi = [x.clone(), torch.full((2, 2), float(R), dtype=torch.float64), torch.ones(3, 4)[:, ::2]]
+ret = hvd.grouped_allreduce_(gi, op=hvd.Sum, postscale_factor=0.5)
+ok["grouped_allreduce_"] = (all(a is b for a, b in zip(ret, gi))
+                            and eq(gi[0], torch.full((4,), tri / 2))
+                            and eq(gi[1], torch.full((2, 2), N * (N - 1) / 4, dtype=torch.float64))
+                            and eq(gi[2], torch.full((3, 2), N / 2)))
 ga = hvd.allgather(torch.full((R + 1, 2), float(R)))
 ok["allgather_unequal"] = ga.shape == (int(tri), 2) and float(ga[-1, 0]) == N - 1
 ok["broadcast"] = eq(hvd.broadcast(torch.full((2,), float(R)), root_rank=N - 1),

@@ -181,6 +181,10 @@ def check_running(ok, active, tag):
                                     op=hvd.Average)
     ok[f"{tag}grouped"] = all(np.allclose(t.numpy(), expected("average", active), atol=1e-6)
                               for t in grouped)
+    inplace = [value(R), value(R)]
+    hvd.grouped_allreduce_(inplace, op=hvd.Sum)
+    ok[f"{tag}grouped_inplace"] = all(np.allclose(t.numpy(), expected("sum", active))
+                                      for t in inplace)
     # allgather: joined ranks contribute no rows
     ga = hvd.allgather(torch.full((R + 1, 3), float(R)))
     want = np.concatenate([np.full((r + 1, 3), float(r)) for r in active])

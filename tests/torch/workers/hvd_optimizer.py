@@ -52,7 +52,7 @@ def reference(steps, clip=None):
     return net
 
 
-def distributed(steps, bpps=1, clip=None, **kw):
+def distributed(steps, bpps=1, clip=None, set_to_none=True, case="", **kw):
     torch.manual_seed(0)
     net = Net().to(DEV)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
@@ -61,7 +61,7 @@ def distributed(steps, bpps=1, clip=None, **kw):
     for s in range(steps):
         x, y = batch(s)
         x, y = x[R * B:(R + 1) * B], y[R * B:(R + 1) * B]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         for part in range(bpps):  # accumulate: bpps passes over slices of this rank's batch
             sl = slice(part * B // bpps, (part + 1) * B // bpps)
             loss = torch.nn.functional.cross_entropy(net(x[sl]), y[sl]) / bpps
@@ -73,6 +73,7 @@ def distributed(steps, bpps=1, clip=None, **kw):
                 opt.step()
         else:
             opt.step()
+        modes.setdefault(case, []).append(opt.exchange_modes)
     return net, opt
 
 
@@ -82,6 +83,7 @@ def diff(a, b):
 
 
 ref = reference(STEPS)
+modes: dict[str, list] = {}  # where each bucket's direct allreduce put its sums, per step
 res: dict[str, float] = {}
 buckets: dict[str, int] = {}
 cases = {
@@ -94,6 +96,9 @@ cases = {
     "sum_op": {"op": hvd.Sum},  # compared against N x the reference gradient below
     "fp16": {"compression": hvd.Compression.fp16},
     "accumulate": {"bpps": 2},
+    # zero_grad(set_to_none=False): gradients kept across steps end up in the buffers
+    "kept_grads": {"set_to_none": False, "cycle_time_ms": 0},  # cycle 0: one plan
+    "kept_grads_accumulate": {"set_to_none": False, "bpps": 2, "cycle_time_ms": 0},
     "accumulate_fp16_small": {"bpps": 3, "compression": hvd.Compression.fp16,
                               "fusion_threshold_bytes": 2048},
 }
@@ -115,11 +120,11 @@ for name, kw in cases.items():
             [net.a.weight, net.c.bias], [one.a.weight, one.c.bias]))
         continue
     bpps = kw.pop("bpps", 1)
-    net, opt = distributed(STEPS, bpps=bpps, **kw)
+    net, opt = distributed(STEPS, bpps=bpps, case=name, **kw)
     res[name] = diff(net, ref)
     buckets[name] = len(opt.buckets)
     res[name + "_unused_unchanged"] = float((net.unused.detach() - 1).abs().max())
     res[name + "_frozen_unchanged"] = diff(net.frozen, ref.frozen)
 net, _ = distributed(STEPS, clip=0.05)
 res["clip"] = diff(net, reference(STEPS, clip=0.05))
-print(json.dumps({"rank": R, "diff": res, "buckets": buckets}))
+print(json.dumps({"rank": R, "diff": res, "buckets": buckets, "modes": modes}))

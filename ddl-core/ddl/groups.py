@@ -1,0 +1,123 @@
+"""Sub-communicators: collectives among some of the job's ranks (``ddl.new_group``).
+
+A group is made by its members alone, as ``torch.distributed.new_group`` makes its backend
+only on the members. The members agree on the group's name without talking: it is the
+ordered member list plus how many groups of exactly those members this process made before
+(members must create their groups in the same order, as torch and MPI require).
+
+Its engine follows the members: shared memory when they are all on this host (the common
+case: a tensor- or pipeline-parallel group inside a server), otherwise one network group of
+the job's transport with DDL's algorithms over it (ring, halving-doubling or native, by the
+cost model). Collectives of every group and of the world run in one queue per rank, in the
+order the rank issues them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import DDLConfigError
+from .topology import World
+
+
+class Group:
+    """The ranks ``ranks`` (global ranks; this process is ``ranks[rank]``)."""
+
+    def __init__(self, ranks: tuple[int, ...], rank: int, engine: Any, owned: bool):
+        self.ranks = ranks
+        self.rank = rank
+        self.size = len(ranks)
+        self.engine = engine
+        self._owned = owned  # False for a group of every rank: it shares the job's engine
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<ddl.Group ranks={list(self.ranks)} rank={self.rank} engine={self.engine.name}>"
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self._owned:
+                self.engine.close()
+
+
+def check_ranks(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    try:
+        out = tuple(int(r) for r in ranks)
+    except (TypeError, ValueError):
+        raise DDLConfigError(f"new_group: ranks must be integers, got {ranks!r}") from None
+    if not out:
+        raise DDLConfigError("new_group: a group needs at least one rank")
+    if len(set(out)) != len(out):
+        raise DDLConfigError(f"new_group: ranks {list(out)} repeat a rank")
+    bad = [r for r in out if not 0 <= r < world_size]
+    if bad:
+        raise DDLConfigError(f"new_group: ranks {bad} are outside 0..{world_size - 1}")
+    return out
+
+
+class GroupMaker:
+    """Makes this process's groups; remembers how many of each member list it made."""
+
+    def __init__(self, world: World, engine: Any, *, timeout: float, chunk_bytes: int,
+                 shm_kwargs: dict):
+        self._world = world
+        self._engine = engine
+        self._timeout = timeout
+        self._chunk_bytes = chunk_bytes
+        self._shm_kwargs = shm_kwargs
+        self._made: Counter[tuple[int, ...]] = Counter()
+
+    def make(self, ranks: tuple[int, ...]) -> Group:
+        w = self._world
+        pos = ranks.index(w.rank)
+        if ranks == tuple(range(w.size)):
+            return Group(ranks, w.rank, self._engine, owned=False)
+        k = self._made[ranks]
+        self._made[ranks] += 1
+        if len(ranks) == 1:
+            from .engines.local import LocalEngine
+
+            return Group(ranks, 0, LocalEngine(), owned=True)
+        # segment-name safe, and the same on every member
+        scope = f"g{zlib.crc32(repr(ranks).encode()):08x}n{k}"
+        if w.local_size == w.size:  # every rank of the job is on this host
+            return Group(ranks, pos, self._shm(scope, pos, len(ranks)), owned=True)
+        ctx = getattr(self._engine, "ctx", None)
+        if ctx is None:  # pragma: no cover - a multi-host job always has a network context
+            raise DDLConfigError("new_group: this job's engine cannot make sub-groups")
+        net = ctx.subgroup(scope, ranks, pos)
+        try:
+            hosts = np.zeros(len(ranks), np.int64)
+            net.allgather_bytes(np.array([w.host_index], np.int64), hosts)
+            if len(set(hosts.tolist())) == 1:  # all on this host after all
+                engine = self._shm(scope, pos, len(ranks))
+                net.close()
+                return Group(ranks, pos, engine, owned=True)
+            return Group(ranks, pos, self._network(net, pos, len(ranks)), owned=True)
+        except BaseException:
+            net.close()
+            raise
+
+    def _shm(self, scope: str, pos: int, n: int):
+        from .engines.shm import ShmEngine
+
+        return ShmEngine(job_id=self._world.job_id, host_index=self._world.host_index,
+                         local_rank=pos, local_size=n, global_rank=self._world.rank,
+                         timeout=self._timeout, scope=scope, **self._shm_kwargs)
+
+    def _network(self, net: Any, pos: int, n: int):
+        from .algorithms.dims import GroupDim
+        from .algorithms.multidim import MultiDim
+        from .engines.multihost import DimsEngine
+
+        multidim = MultiDim([GroupDim(net, 0, "b")], n, pos, chunk_bytes=self._chunk_bytes,
+                            timeout=self._timeout)
+        engine = DimsEngine(multidim, net, n, pos)
+        engine.name = f"ddl/{net.name}"
+        return engine
