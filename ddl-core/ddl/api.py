@@ -54,7 +54,7 @@ def init() -> None:
                   file=sys.stderr, flush=True)
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
         _devices = DeviceRouter(world, opts, _rendezvous)
-        _maker = GroupMaker(world, engine, timeout=config.get("DDL_TIMEOUT"),
+        _maker = GroupMaker(world, engine, _runtime, timeout=config.get("DDL_TIMEOUT"),
                             chunk_bytes=config.get("DDL_CHUNK_BYTES"), shm_kwargs=_shm_kwargs())
 
 
@@ -204,17 +204,30 @@ def malloc(shape, dtype=np.float32) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------ groups
-def new_group(ranks) -> Group | None:
+def new_group(ranks, *, timeout: float | None = None) -> Group | None:
     """A group of the given global ranks (in that order: ``ranks[i]`` is the group's rank
     ``i``) for the ``group=`` argument of the collectives. Its members must call this, in
-    the same order as their other group creations; other ranks may (they get None)."""
+    the same order as their other group creations, and it returns when all have (waiting
+    up to ``timeout`` seconds, default ``DDL_INIT_TIMEOUT``); other ranks may call it too
+    and get None."""
     w = _w()
     ranks = check_ranks(ranks, w.size)
     if w.rank not in ranks:
         return None
-    g = _runtime.run(lambda: _maker.make(ranks), "new_group")  # after queued work
-    _groups.append(g)
+    g = _maker.make(ranks, config.get("DDL_INIT_TIMEOUT") if timeout is None else timeout)
+    with _lock:
+        _groups.append(g)
     return g
+
+
+def destroy_group(group: Group) -> None:
+    """Finish ``group``'s queued collectives and release it (its shared memory, its
+    network group). Using it afterwards raises. ``ddl.shutdown()`` releases every group."""
+    _target(group)
+    with _lock:
+        if group in _groups:
+            _groups.remove(group)
+    group.close()
 
 
 def _target(group: Group | None) -> tuple[Any, int, int]:
@@ -225,15 +238,18 @@ def _target(group: Group | None) -> tuple[Any, int, int]:
     if not isinstance(group, Group):
         raise DDLConfigError(f"group must be a ddl.Group from ddl.new_group, got {group!r}")
     if group.closed:
-        raise DDLError(f"{group!r} was closed (ddl.shutdown)")
+        raise DDLError(f"{group!r} was released (ddl.destroy_group or ddl.shutdown)")
     return group.engine, group.rank, group.size
 
 
 # ------------------------------------------------------------------- collectives
-def _dispatch(job: Callable[[], Any], name: str, async_: bool):
+def _dispatch(job: Callable[[], Any], name: str, async_: bool, group: Group | None = None):
+    """Queue ``job`` behind the earlier work of the job (or of ``group``: each group has
+    its own queue, as each torch process group has its own stream of work)."""
+    runtime = _runtime if group is None else group.runtime
     if async_:
-        return _runtime.submit(job, name)
-    return _runtime.run(job, name)
+        return runtime.submit(job, name)
+    return runtime.run(job, name)
 
 
 def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, tensors.Flat]:
@@ -280,9 +296,12 @@ def _plan_allreduce_into(sources: list, out, op, group: Group | None = None
     wire, as an allreduce of the filled buffer."""
     engine, _, _ = _target(group)
     op = parse_op(op)
-    parts = [tensors.flatten(t) for t in sources]
-    if not parts:
+    if not sources:
         raise DDLConfigError("fused allreduce of no tensors")
+    backend = _devices.backend_for(sources[0], op) if group is None else None
+    if backend:
+        return _devices.plan_fused_allreduce(backend, sources, out, op)
+    parts = [tensors.flatten(t) for t in sources]
     dt, total = parts[0].dtype, sum(f.array.size for f in parts)
     check_op(op, dt)
     src = tensors.Pieces([f.array for f in parts])
@@ -324,26 +343,28 @@ def _plan_allreduce_into(sources: list, out, op, group: Group | None = None
 def allreduce(tensor, op: ReduceOp | str = Average, *, out=None, name: str | None = None,
               group: Group | None = None):
     """Reduce ``tensor`` over all ranks and return the result (a new tensor, or ``out``)."""
-    return _dispatch(_plan_allreduce(tensor, op, out, False, group), name or "allreduce", False)
+    return _dispatch(_plan_allreduce(tensor, op, out, False, group),
+                     name or "allreduce", False, group)
 
 
 def allreduce_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
                group: Group | None = None):
     """In-place allreduce; returns ``tensor``."""
-    return _dispatch(_plan_allreduce(tensor, op, None, True, group), name or "allreduce_", False)
+    return _dispatch(_plan_allreduce(tensor, op, None, True, group),
+                     name or "allreduce_", False, group)
 
 
 def allreduce_async(tensor, op: ReduceOp | str = Average, *, out=None,
                     name: str | None = None,
                     group: Group | None = None) -> Handle:
     return _dispatch(_plan_allreduce(tensor, op, out, False, group),
-                     name or "allreduce_async", True)
+                     name or "allreduce_async", True, group)
 
 
 def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
                      group: Group | None = None) -> Handle:
     return _dispatch(_plan_allreduce(tensor, op, None, True, group),
-                     name or "allreduce_async_", True)
+                     name or "allreduce_async_", True, group)
 
 
 def grouped_allreduce_(tensors, op: ReduceOp | str = Average, *, name: str | None = None,
@@ -352,14 +373,14 @@ def grouped_allreduce_(tensors, op: ReduceOp | str = Average, *, name: str | Non
     steps and bits as an allreduce of their concatenation, but no fusion buffer is filled
     (each tensor is staged from where it lives). Returns ``tensors``."""
     return _dispatch(_plan_allreduce_into(list(tensors), None, op, group),
-                     name or "grouped_allreduce_", False)
+                     name or "grouped_allreduce_", False, group)
 
 
 def grouped_allreduce_async_(tensors, op: ReduceOp | str = Average, *,
                              name: str | None = None,
                              group: Group | None = None) -> Handle:
     return _dispatch(_plan_allreduce_into(list(tensors), None, op, group),
-                     name or "grouped_allreduce_async_", True)
+                     name or "grouped_allreduce_async_", True, group)
 
 
 def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], int]:
@@ -400,12 +421,12 @@ def _plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
 def allgather(tensor, *, name: str | None = None,
               group: Group | None = None):
     """Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."""
-    return _dispatch(_plan_allgather(tensor, group), name or "allgather", False)
+    return _dispatch(_plan_allgather(tensor, group), name or "allgather", False, group)
 
 
 def allgather_async(tensor, *, name: str | None = None,
                     group: Group | None = None) -> Handle:
-    return _dispatch(_plan_allgather(tensor, group), name or "allgather_async", True)
+    return _dispatch(_plan_allgather(tensor, group), name or "allgather_async", True, group)
 
 
 def _plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = None
@@ -434,25 +455,27 @@ def _plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None =
 def broadcast(tensor, root_rank: int = 0, *, name: str | None = None,
               group: Group | None = None):
     """Return a copy of ``root_rank``'s tensor on every rank."""
-    return _dispatch(_plan_broadcast(tensor, root_rank, False, group), name or "broadcast", False)
+    return _dispatch(_plan_broadcast(tensor, root_rank, False, group),
+                     name or "broadcast", False, group)
 
 
 def broadcast_(tensor, root_rank: int = 0, *, name: str | None = None,
                group: Group | None = None):
     """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
-    return _dispatch(_plan_broadcast(tensor, root_rank, True, group), name or "broadcast_", False)
+    return _dispatch(_plan_broadcast(tensor, root_rank, True, group),
+                     name or "broadcast_", False, group)
 
 
 def broadcast_async(tensor, root_rank: int = 0, *, name: str | None = None,
                     group: Group | None = None) -> Handle:
     return _dispatch(_plan_broadcast(tensor, root_rank, False, group),
-                     name or "broadcast_async", True)
+                     name or "broadcast_async", True, group)
 
 
 def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None,
                      group: Group | None = None) -> Handle:
     return _dispatch(_plan_broadcast(tensor, root_rank, True, group),
-                     name or "broadcast_async_", True)
+                     name or "broadcast_async_", True, group)
 
 
 def split_rows(rows: int, n: int) -> list[int]:
@@ -487,18 +510,20 @@ def _plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[],
 def reduce_scatter(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
                    group: Group | None = None):
     """Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."""
-    return _dispatch(_plan_reduce_scatter(tensor, op, group), name or "reduce_scatter", False)
+    return _dispatch(_plan_reduce_scatter(tensor, op, group),
+                     name or "reduce_scatter", False, group)
 
 
 def reduce_scatter_async(tensor, op: ReduceOp | str = Average, *,
                          name: str | None = None,
                          group: Group | None = None) -> Handle:
-    return _dispatch(_plan_reduce_scatter(tensor, op, group), name or "reduce_scatter_async", True)
+    return _dispatch(_plan_reduce_scatter(tensor, op, group),
+                     name or "reduce_scatter_async", True, group)
 
 
 def barrier(*, group: Group | None = None) -> None:
     engine, _, _ = _target(group)
-    _runtime.run(engine.barrier, "barrier")
+    _dispatch(engine.barrier, "barrier", False, group)
 
 
 def synchronize(handle: Handle) -> Any:

@@ -112,6 +112,32 @@ class DeviceRouter:
 
         return self._job(backend, t, body)
 
+    def plan_fused_allreduce(self, backend: str, sources: list, out, op: ReduceOp):
+        """The concatenation of ``sources`` (one device) allreduced into ``out``, or back
+        into the sources: the device engines work on one buffer, so it is packed."""
+        import torch
+
+        ts = [s.detach() for s in sources]
+        devices = {t.device for t in ts} | ({out.device} if out is not None else set())
+        if len(devices) != 1:
+            raise DDLConfigError(f"fused allreduce: the tensors are on several devices "
+                                 f"({', '.join(sorted(map(str, devices)))})")
+        check_op(op, tensors.dtype_of(ts[0]))
+
+        def body(eng):
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            eng.allreduce(flat, op)
+            if out is not None:
+                out.detach().view(-1).copy_(flat)
+                return out
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view(t.shape))
+                off += t.numel()
+            return sources
+
+        return self._job(backend, ts[0], body)
+
     def plan_broadcast(self, backend: str, tensor, root: int, inplace: bool):
         t = tensor.detach()
 

@@ -8,8 +8,8 @@ ordered member list plus how many groups of exactly those members this process m
 Its engine follows the members: shared memory when they are all on this host (the common
 case: a tensor- or pipeline-parallel group inside a server), otherwise one network group of
 the job's transport with DDL's algorithms over it (ring, halving-doubling or native, by the
-cost model). Collectives of every group and of the world run in one queue per rank, in the
-order the rank issues them.
+cost model). Each group has its own queue (and worker thread): its collectives run in the
+order the rank issues them, independently of other groups', as torch's process groups do.
 """
 
 from __future__ import annotations
@@ -22,28 +22,35 @@ from typing import Any
 import numpy as np
 
 from .errors import DDLConfigError
+from .runtime import Runtime
 from .topology import World
 
 
 class Group:
     """The ranks ``ranks`` (global ranks; this process is ``ranks[rank]``)."""
 
-    def __init__(self, ranks: tuple[int, ...], rank: int, engine: Any, owned: bool):
+    def __init__(self, ranks: tuple[int, ...], rank: int, engine: Any, runtime: Runtime,
+                 owned: bool):
         self.ranks = ranks
         self.rank = rank
         self.size = len(ranks)
         self.engine = engine
-        self._owned = owned  # False for a group of every rank: it shares the job's engine
+        self.runtime = runtime
+        self._owned = owned  # False for a group of every rank: it is the job's engine/queue
         self.closed = False
 
     def __repr__(self) -> str:
         return f"<ddl.Group ranks={list(self.ranks)} rank={self.rank} engine={self.engine.name}>"
 
     def close(self) -> None:
+        """Finish the group's queued work, then release its engine."""
         if not self.closed:
             self.closed = True
             if self._owned:
-                self.engine.close()
+                try:
+                    self.runtime.close()
+                finally:
+                    self.engine.close()
 
 
 def check_ranks(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
@@ -64,52 +71,60 @@ def check_ranks(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
 class GroupMaker:
     """Makes this process's groups; remembers how many of each member list it made."""
 
-    def __init__(self, world: World, engine: Any, *, timeout: float, chunk_bytes: int,
-                 shm_kwargs: dict):
+    def __init__(self, world: World, engine: Any, runtime: Runtime, *, timeout: float,
+                 chunk_bytes: int, shm_kwargs: dict):
         self._world = world
         self._engine = engine
+        self._runtime = runtime
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._shm_kwargs = shm_kwargs
         self._made: Counter[tuple[int, ...]] = Counter()
 
-    def make(self, ranks: tuple[int, ...]) -> Group:
+    def make(self, ranks: tuple[int, ...], init_timeout: float) -> Group:
+        """This process's part of a new group (it must be a member); waits up to
+        ``init_timeout`` seconds for the other members."""
         w = self._world
         pos = ranks.index(w.rank)
         if ranks == tuple(range(w.size)):
-            return Group(ranks, w.rank, self._engine, owned=False)
+            return Group(ranks, w.rank, self._engine, self._runtime, owned=False)
         k = self._made[ranks]
         self._made[ranks] += 1
         if len(ranks) == 1:
             from .engines.local import LocalEngine
 
-            return Group(ranks, 0, LocalEngine(), owned=True)
+            return self._group(ranks, 0, LocalEngine())
         # segment-name safe, and the same on every member
         scope = f"g{zlib.crc32(repr(ranks).encode()):08x}n{k}"
         if w.local_size == w.size:  # every rank of the job is on this host
-            return Group(ranks, pos, self._shm(scope, pos, len(ranks)), owned=True)
+            return self._group(ranks, pos, self._shm(scope, pos, len(ranks), init_timeout))
         ctx = getattr(self._engine, "ctx", None)
         if ctx is None:  # pragma: no cover - a multi-host job always has a network context
             raise DDLConfigError("new_group: this job's engine cannot make sub-groups")
-        net = ctx.subgroup(scope, ranks, pos)
+        net = ctx.subgroup(scope, ranks, pos, init_timeout)
         try:
             hosts = np.zeros(len(ranks), np.int64)
             net.allgather_bytes(np.array([w.host_index], np.int64), hosts)
             if len(set(hosts.tolist())) == 1:  # all on this host after all
-                engine = self._shm(scope, pos, len(ranks))
+                engine = self._shm(scope, pos, len(ranks), init_timeout)
                 net.close()
-                return Group(ranks, pos, engine, owned=True)
-            return Group(ranks, pos, self._network(net, pos, len(ranks)), owned=True)
+                return self._group(ranks, pos, engine)
+            return self._group(ranks, pos, self._network(net, pos, len(ranks)))
         except BaseException:
             net.close()
             raise
 
-    def _shm(self, scope: str, pos: int, n: int):
+    @staticmethod
+    def _group(ranks: tuple[int, ...], pos: int, engine: Any) -> Group:
+        return Group(ranks, pos, engine, Runtime(), owned=True)
+
+    def _shm(self, scope: str, pos: int, n: int, init_timeout: float):
         from .engines.shm import ShmEngine
 
+        kwargs = dict(self._shm_kwargs, init_timeout=init_timeout)
         return ShmEngine(job_id=self._world.job_id, host_index=self._world.host_index,
                          local_rank=pos, local_size=n, global_rank=self._world.rank,
-                         timeout=self._timeout, scope=scope, **self._shm_kwargs)
+                         timeout=self._timeout, scope=scope, **kwargs)
 
     def _network(self, net: Any, pos: int, n: int):
         from .algorithms.dims import GroupDim

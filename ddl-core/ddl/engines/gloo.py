@@ -56,7 +56,22 @@ class GlooContext:
         """Made by the members only (they meet in the store under ``name``)."""
         return GlooGroup(self, name, members, position)
 
-    subgroup = group
+    def subgroup(self, name: str, members: tuple[int, ...], position: int,
+                 timeout: float) -> GlooGroup:
+        """``group``, after the members have all checked in within ``timeout`` seconds
+        (``ddl.new_group``: a member may never come, and the error should name it)."""
+        _, dist = _torch()
+        here = [f"ddl/{name}/here/{i}" for i in range(len(members))]
+        self.store.set(here[position], "1")
+        try:
+            self.store.wait(here, datetime.timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError):
+            missing = [members[i] for i, k in enumerate(here) if not self.store.check([k])]
+            raise DDLTimeoutError(
+                f"rank {self.rank}: new_group({list(members)}): rank(s) {missing} did not "
+                f"join within {timeout:g}s (new_group's timeout, DDL_INIT_TIMEOUT by default)"
+            ) from None
+        return GlooGroup(self, name, members, position)
 
 
 class GlooGroup:

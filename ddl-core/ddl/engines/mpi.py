@@ -38,8 +38,10 @@ class MPIContext:
         comm = self.world.Split(color=members[0], key=position)
         return MPIGroup(self.MPI, comm, name, members, position)
 
-    def subgroup(self, name: str, members: tuple[int, ...], position: int) -> MPIGroup:
-        """A group made by its members only (``ddl.new_group``): MPI_Comm_create_group."""
+    def subgroup(self, name: str, members: tuple[int, ...], position: int,
+                 timeout: float) -> MPIGroup:
+        """A group made by its members only (``ddl.new_group``): MPI_Comm_create_group,
+        which has no timeout (``timeout`` is not applied)."""
         everyone = self.world.Get_group()
         mine = everyone.Incl(list(members))
         try:

@@ -291,7 +291,14 @@ class ShmEngine:
         self._peer_sleep = [self._blk[i] + W_SLEEP for i in self._peers]
         self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope)
         self._peer_heaps = PeerHeaps(job_id, host_index, scope)
-        self._attach(init_timeout)
+        try:
+            self._attach(init_timeout)
+        except BaseException:
+            # a peer never came: do not leave the named segment behind (it is unlinked
+            # only once every rank has attached)
+            if self.rank == 0:
+                segments.unlink(self._name)
+            raise
 
     # ------------------------------------------------------------------ setup
     def _create_or_attach(self, total: int, init_timeout: float) -> mmap.mmap:
@@ -369,7 +376,7 @@ class ShmEngine:
                 if time.monotonic() > deadline:
                     raise DDLTimeoutError(
                         f"rank {self.global_rank}: local rank {i} did not attach to "
-                        f"{self._name} within {init_timeout:.0f}s"
+                        f"{self._name} within {init_timeout:g}s"
                     )
                 time.sleep(0.001)
         self._peer_grank = {i: q[self._blk[i] + W_GRANK] for i in range(self.size)}

@@ -177,14 +177,24 @@ class DDLProcessGroup(dist.ProcessGroup):
     """A process group backed by the ddl core: the job's ranks, or a ``ddl.Group``."""
 
     def __init__(self, rank: int, size: int, timeout: timedelta | None = None,
-                 group: ddl.Group | None = None) -> None:
+                 group: ddl.Group | None = None, p2p: Any = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout
         self._group = group
+        self._p2p = p2p  # a gloo group of the same ranks: the core has no send/recv
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
+
+    # torch names a group through its registered C++ backends, and a Python process group
+    # has none: keep the name here, or destroy_process_group(group) cannot find it.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_group_name", "")
 
     def name(self) -> str:
         return BACKEND_NAME
@@ -381,18 +391,34 @@ class DDLProcessGroup(dist.ProcessGroup):
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         ddl.barrier(group=self._group)
 
-    # ------------------------------------------------------------ not supported
+    # ------------------------------------------------------------- point-to-point
     def send(self, tensors, dst_rank, tag=0):
-        raise _unsupported("send (point-to-point)",
-                           "use a gloo group for point-to-point traffic")
+        return self._point_to_point("send").send(tensors, dst_rank, tag)
 
     def recv(self, tensors, src_rank, tag=0):
-        raise _unsupported("recv (point-to-point)",
-                           "use a gloo group for point-to-point traffic")
+        return self._point_to_point("recv").recv(tensors, src_rank, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        raise _unsupported("recv_anysource (point-to-point)",
-                           "use a gloo group for point-to-point traffic")
+        return self._point_to_point("recv_anysource").recv_anysource(tensors, tag)
+
+    def _point_to_point(self, call: str) -> Any:
+        if self._p2p is None:
+            raise _unsupported(f"{call} (point-to-point)",
+                               "use a gloo group for point-to-point traffic")
+        return self._p2p
+
+    def shutdown(self) -> None:
+        """``destroy_process_group``: release the ddl group (not the job's engine, which
+        ``ddl.shutdown()`` releases) and the point-to-point group."""
+        try:
+            if self._group is not None and not self._group.closed:
+                ddl.destroy_group(self._group)
+        finally:
+            if self._p2p is not None:
+                self._p2p.shutdown()
+                self._p2p = None
+
+    # ------------------------------------------------------------ not supported
 
     def split_group(self, *args, **kwargs):
         raise _unsupported("split_group", "use torch.distributed.new_group")
@@ -437,6 +463,12 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
     """The creator ``torch.distributed`` calls for ``init_process_group("ddl")`` and for
     ``new_group(backend="ddl")``."""
     ddl.init()
+    if size > ddl.size():
+        raise ddl.DDLConfigError(
+            f"torch.distributed asks for a group of {size} ranks but the ddl job has "
+            f"{ddl.size()} (WORLD_SIZE): launch with ddlrun -n {size}"
+        )
+    group = None
     if size == ddl.size():
         if rank != ddl.rank():
             raise ddl.DDLConfigError(
@@ -444,18 +476,17 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
                 f"says RANK={ddl.rank()}: pass init_method='env://' (or no rank/world_size) "
                 "to init_process_group"
             )
-        return DDLProcessGroup(rank, size, timeout)
-    if size > ddl.size():
-        raise ddl.DDLConfigError(
-            f"torch.distributed asks for a group of {size} ranks but the ddl job has "
-            f"{ddl.size()} (WORLD_SIZE): launch with ddlrun -n {size}"
-        )
-    # Another set of ranks: torch calls this on the members only, with a store of their
-    # own, through which they learn each other's job rank (torch's group rank i is
-    # members[i]) and then make the ddl group.
-    store.set(f"ddl/member/{rank}", str(ddl.rank()))
-    members = [int(store.get(f"ddl/member/{i}")) for i in range(size)]
-    return DDLProcessGroup(rank, size, timeout, ddl.new_group(members))
+    else:
+        # Another set of ranks: torch calls this on the members only, with a store of
+        # their own, through which they learn each other's job rank (torch's group rank i
+        # is members[i]) and then make the ddl group.
+        store.set(f"ddl/member/{rank}", str(ddl.rank()))
+        members = [int(store.get(f"ddl/member/{i}")) for i in range(size)]
+        group = ddl.new_group(members, timeout=timeout.total_seconds())
+    # send/recv: the core has no point-to-point; a gloo group of the same ranks, made now
+    # (every member is here), carries it
+    p2p = dist.ProcessGroupGloo(dist.PrefixStore("ddl/p2p/", store), rank, size, timeout)
+    return DDLProcessGroup(rank, size, timeout, group, p2p)
 
 
 def register() -> None:

@@ -8,6 +8,7 @@ each group's engine and a digest (the test compares digests within each group).
 
 import hashlib
 import json
+import os
 
 import numpy as np
 
@@ -93,6 +94,25 @@ exercise("world", list(range(N)))
 exercise("self", [R])
 exercise("across", [0, N - 1])
 exercise("lo_again", lo)  # a second group of the same ranks is a different group
+if N >= 3:
+    # Each group has its own queue: async collectives of three groups issued in a cyclic
+    # order (0: A then C, 1: B then A, 2: C then B) all complete; one queue would deadlock.
+    groups = {"A": [0, 1], "B": [1, 2], "C": [0, 2]}
+    made = {k: ddl.new_group(v) for k, v in groups.items()}
+    order = {0: "AC", 1: "BA", 2: "CB"}.get(R, "")
+    hs = [(k, ddl.allreduce_async(np.full(1000, R + 1, np.int64), op=ddl.Sum, group=made[k]))
+          for k in order]
+    for k, h in hs:
+        eq(h.wait(), np.full(1000, sum(r + 1 for r in groups[k]), np.int64), f"cyclic {k}")
+    for g in made.values():
+        if g is not None:
+            ddl.destroy_group(g)
+            try:
+                ddl.allreduce(np.ones(1), group=g)
+            except ddl.DDLError as e:
+                assert "released" in str(e), e
+            else:
+                raise SystemExit("a destroyed group still ran a collective")
 for bad in ([], [0, 0], [N], "x"):
     try:
         ddl.new_group(bad)
@@ -106,6 +126,20 @@ except ddl.DDLConfigError:
     pass
 else:
     raise SystemExit("a bad group was accepted")
+# a member that never comes: the others time out, naming it, and leave no segment behind
+# ([0, N - 1] is the whole job, in order, when N == 2; MPI_Comm_create_group has no timeout)
+if R == 0 and N >= 3 and ddl.engine_name() != "ddl/mpi":
+    try:
+        ddl.new_group([0, N - 1], timeout=1.5)
+    except ddl.DDLTimeoutError as e:  # the shared-memory or the network rendezvous
+        assert ("did not attach" in str(e) or f"[{N - 1}] did not join" in str(e)) and \
+            "1.5s" in str(e), e
+    else:
+        raise SystemExit("new_group without its other member did not time out")
+    job = ddl.api._world.job_id
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(f"ddl-{job}-") and "ctl" in f]
+    assert not left, left
+    checks += 1
 total = ddl.allreduce(np.array([R], np.int64), op=ddl.Sum)
 eq(total, np.array([N * (N - 1) // 2], np.int64), "world after the groups")
 print(json.dumps({"rank": R, "checks": checks, "engines": engines, "digests": digests}))

@@ -64,11 +64,13 @@ ok["all_gather_object"] = objs == [{"rank": i} for i in range(N)]
 lst = [f"from {R}"]
 dist.broadcast_object_list(lst, src=0)
 ok["broadcast_object_list"] = lst == ["from 0"]
-try:
-    dist.send(torch.ones(1), dst=(R + 1) % N)
-    ok["send_raises"] = False
-except NotImplementedError as exc:
-    ok["send_raises"] = "send" in str(exc)
+# point-to-point (a ring: each rank sends to the next, receives from the previous)
+sent = torch.full((3,), float(R))
+got = torch.empty(3)
+reqs = [dist.isend(sent, dst=(R + 1) % N), dist.irecv(got, src=(R - 1) % N)]
+for q in reqs:
+    q.wait()
+ok["send_recv"] = got.tolist() == [float((R - 1) % N)] * 3
 
 # -------------------------------------------------------------------- groups
 everyone_gloo = dist.new_group(backend="gloo")
@@ -101,6 +103,16 @@ if mine is not None:
     dist.all_to_all_single(a2a, torch.full((size,), float(R)), group=mine)
     ok["subgroup_alltoall"] = a2a.tolist() == [float(r) for r in members]
     dist.barrier(group=mine)
+    if members[0] == R:
+        dist.send(torch.full((2,), 7.0), dst=members[-1], group=mine)
+    elif members[-1] == R:
+        p2p = torch.empty(2)
+        dist.recv(p2p, src=members[0], group=mine)
+        ok["subgroup_send_recv"] = p2p.tolist() == [7.0, 7.0]
+    if size < N:  # destroying the sub-group releases its shared memory
+        ddl_group = backend._group
+        dist.destroy_process_group(mine)
+        ok["subgroup_destroyed"] = ddl_group.closed
 everyone_ddl = dist.new_group(backend="ddl")
 t = torch.ones(3)
 dist.all_reduce(t, group=everyone_ddl)
