@@ -133,6 +133,4 @@ class GroupMaker:
 
         multidim = MultiDim([GroupDim(net, 0, "b")], n, pos, chunk_bytes=self._chunk_bytes,
                             timeout=self._timeout)
-        engine = DimsEngine(multidim, net, n, pos)
-        engine.name = f"ddl/{net.name}"
-        return engine
+        return DimsEngine(multidim, net, n, pos, f"ddl/{net.name}")

@@ -146,7 +146,7 @@ class Pieces:
     allreduce whose fusion buffer is never filled (the engine stages each piece straight
     from where it lives). Slices never cross the pieces returned by ``cuts``."""
 
-    __slots__ = ("arrays", "starts", "size", "nbytes", "dtype")
+    __slots__ = ("arrays", "starts", "size", "nbytes")
 
     def __init__(self, arrays: list[np.ndarray]):
         self.arrays = arrays
@@ -155,7 +155,6 @@ class Pieces:
             self.starts.append(self.starts[-1] + a.size)
         self.size = self.starts[-1]
         self.nbytes = sum(a.nbytes for a in arrays)
-        self.dtype = arrays[0].dtype if arrays else np.dtype(np.uint8)
 
     def cuts(self, lo: int, hi: int) -> list[tuple[int, int, np.ndarray]]:
         """``(start, end, view)`` for the parts of elements ``[lo, hi)`` in each piece."""
@@ -189,5 +188,5 @@ def copy_flat(src: np.ndarray | Pieces, dst: np.ndarray | Pieces) -> None:
         raise TypeError("copy_flat: pieces are written only in place")
     if isinstance(src, Pieces):
         src.copy_to(0, src.size, dst)
-    elif src is not dst and not same_memory(src, dst):
+    elif not same_memory(src, dst):
         np.copyto(dst, src)

@@ -30,9 +30,9 @@ class DimsEngine:
     (a network group of every member, which this engine owns)."""
 
     heap = None  # ddl.malloc gives private memory here: peers are not all on this host
-    name = "ddl/dims"
 
-    def __init__(self, multidim: MultiDim, group, size: int, rank: int):
+    def __init__(self, multidim: MultiDim, group, size: int, rank: int, name: str):
+        self.name = name
         self.multidim = multidim
         self.world_group = group
         self.size = size
@@ -114,7 +114,6 @@ class MultiHostEngine(DimsEngine):
             self.ctx = MPIContext()
         else:
             self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
-        self.name = f"ddl/{transport}"
         if shm_kwargs.get("wait_policy", "auto") == "auto":
             # The dimensions across hosts run beside this one in their own threads (network
             # I/O and reductions): a spinning waiter would take the cores they need. Measured
@@ -144,4 +143,4 @@ class MultiHostEngine(DimsEngine):
             raise
         super().__init__(MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
                                   timeout=timeout, dump_iter=opts.dump_iter),
-                         world_group, world.size, world.rank)
+                         world_group, world.size, world.rank, f"ddl/{transport}")

@@ -215,22 +215,22 @@ def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_
             group = [tensors[i] for i in idx]
             numel = sum(t.numel() for t in group)
             stand_in = torch.empty(numel, dtype=dtype, device="meta")  # the fused shape
-            parts.append((idx, submit_allreduce(stand_in, rop, name=name or "grouped_allreduce",
-                                                inplace=True, postscale=postscale_factor,
-                                                sources=group)))
+            parts.append((idx, False, submit_allreduce(
+                stand_in, rop, name=name or "grouped_allreduce", inplace=True,
+                postscale=postscale_factor, sources=group)))
             continue
         flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
         if prescale_factor != 1.0:
             flat.mul_(prescale_factor)
-        parts.append((idx, submit_allreduce(flat, rop, name=name or "grouped_allreduce",
-                                            inplace=True, prescale=prescale_factor,
-                                            postscale=postscale_factor)))
+        parts.append((idx, True, submit_allreduce(flat, rop, name=name or "grouped_allreduce",
+                                                  inplace=True, prescale=prescale_factor,
+                                                  postscale=postscale_factor)))
 
     def finish(_: Any) -> list[torch.Tensor]:
         out: list[Any] = [None] * len(tensors)
-        for idx, h in parts:
+        for idx, packed, h in parts:
             flat = h.wait()
-            if isinstance(flat, list):  # reduced in place, piece by piece
+            if not packed:  # reduced in place, where the tensors live
                 for i in idx:
                     if postscale_factor != 1.0:
                         with torch.no_grad():
@@ -251,7 +251,7 @@ def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_
                 out[i] = r
         return out
 
-    last = parts[-1][1] if parts else _Ready(None)
+    last = parts[-1][2] if parts else _Ready(None)
     return Handle(last, finish, name or "grouped_allreduce")
 
 
