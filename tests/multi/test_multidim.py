@@ -50,6 +50,19 @@ def test_three_hosts_of_two_with_many_chunks():
     _hosts(6, 2, "-mode b:2x3", "0,7,100001", DDL_CHUNK_BYTES="32K", CHECK_DTYPES=FEW)
 
 
+@pytest.mark.parametrize("env", [{}, {"DDL_DEVICE_ENGINE": "gloo"}], ids=["host", "device"])
+def test_shutdown_leaves_no_communication_thread(env):
+    """Gloo's worker threads must be gone when ddl.shutdown() returns: left to the
+    interpreter's exit, one that drops a tensor then aborts the process (seen in CI as
+    "terminate called without an active exception" after every rank had finished)."""
+    pre = [dict(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(r % 2), DDL_HOST_INDEX=str(r // 2),
+                GROUP_RANK=str(r // 2)) for r in range(4)]
+    for r in reports(run_worker("threads_left.py", 4, per_rank_env=pre, env=env)):
+        assert r["during"] > r["before"], r
+        # rank 0 serves the rendezvous store, whose thread lives until the process exits
+        assert r["after"] == r["before"] + (r["rank"] == 0), r
+
+
 def test_grid_that_does_not_match_the_job_is_refused():
     res = run_worker("collectives.py", 2, "1", env=dict(DDL_OPTIONS="-mode b:2x2"))
     assert all(r.returncode != 0 for r in res)

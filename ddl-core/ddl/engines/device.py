@@ -20,10 +20,11 @@ from typing import Any
 
 from .. import grid as gridmod
 from ..algorithms.multidim import chunk_plan
-from ..errors import DDLConfigError, DDLPeerError, DDLTimeoutError
+from ..errors import DDLConfigError
 from ..ops import ReduceOp
 from ..options import Options
 from ..topology import World
+from .torch_pg import PGCaller
 
 # dtypes NCCL and Gloo reduce (torch names; bool and complex through the views of
 # DeviceEngine._reducible); others are staged through the host engines.
@@ -76,42 +77,39 @@ class DeviceGroup:
             self.pg = dist.ProcessGroupNCCL(prefix, position, self.size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefix, position, self.size, td)
+        self._calls = PGCaller(self.pg, members[position],
+                               f"{backend} group {name} (ranks {list(members)})",
+                               shutdown=backend == "nccl")
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
-
-    def _run(self, what: str, issue) -> None:
-        try:
-            issue().wait()
-        except RuntimeError as exc:
-            text = str(exc)
-            cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
-            first = text.splitlines()[0] if text else repr(exc)
-            raise cls(f"{what} on {self.backend} group {self.label} (ranks "
-                      f"{list(self.members)}) failed: {first}") from None
 
     def allreduce(self, t, op: ReduceOp) -> None:
         if t.numel() == 0:
             return
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        self._run(f"allreduce({t.dtype}[{t.numel()}])", lambda: self.pg.allreduce([t], opts))
+        self._calls.run(f"allreduce({t.dtype}[{t.numel()}])", lambda: self.pg.allreduce([t], opts))
 
     def reduce_scatter(self, out, inp, op: ReduceOp) -> None:
         """Equal blocks: out = this rank's block of the reduction of inp."""
         opts = self._dist.ReduceScatterOptions()
         opts.reduceOp = self._ops[op]
-        self._run(f"reduce_scatter({inp.dtype}[{inp.numel()}])",
-                  lambda: self.pg._reduce_scatter_base(out, inp, opts))
+        self._calls.run(f"reduce_scatter({inp.dtype}[{inp.numel()}])",
+                        lambda: self.pg._reduce_scatter_base(out, inp, opts))
 
     def allgather(self, out, inp) -> None:
         """Equal blocks: out = concat over the group of inp."""
-        self._run(f"allgather({inp.dtype}[{inp.numel()}])",
-                  lambda: self.pg._allgather_base(out, inp))
+        self._calls.run(f"allgather({inp.dtype}[{inp.numel()}])",
+                        lambda: self.pg._allgather_base(out, inp))
 
     def broadcast(self, t, root: int) -> None:
         opts = self._dist.BroadcastOptions()
         opts.rootRank = root
-        self._run(f"broadcast({t.dtype}[{t.numel()}])", lambda: self.pg.broadcast([t], opts))
+        self._calls.run(f"broadcast({t.dtype}[{t.numel()}])", lambda: self.pg.broadcast([t], opts))
+
+    def close(self) -> None:
+        self.pg = None  # the last reference is the caller's: closing it destroys the group
+        self._calls.close()
 
 
 class DeviceDim:
@@ -274,4 +272,5 @@ class DeviceEngine:
         self._finish()
 
     def close(self) -> None:
-        pass
+        for g in [d.group for d in self.dims] + [self.world_group]:
+            g.close()

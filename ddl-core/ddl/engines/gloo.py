@@ -17,8 +17,9 @@ import datetime
 import numpy as np
 
 from ..dtypes import DType
-from ..errors import DDLConfigError, DDLError, DDLPeerError, DDLTimeoutError
+from ..errors import DDLConfigError, DDLError, DDLTimeoutError
 from ..ops import ReduceOp
+from .torch_pg import PGCaller
 
 _NATIVE_DTYPES = {"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
                   "bool"}
@@ -90,6 +91,8 @@ class GlooGroup:
         store = dist.PrefixStore(f"ddl/{name}/", ctx.store)
         td = datetime.timedelta(seconds=max(ctx.timeout, 1.0))
         self.pg = dist.ProcessGroupGloo(store, position, self.size, td)
+        self._calls = PGCaller(self.pg, self.global_rank,
+                               f"gloo group {name} (ranks {list(members)})")
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
             ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
@@ -104,36 +107,21 @@ class GlooGroup:
             t = t.view(self._torch.bfloat16)
         return t
 
-    def _wait(self, works, what: str) -> None:
-        try:
-            for issue_and_wait in works:
-                issue_and_wait()
-        except RuntimeError as exc:
-            text = str(exc)
-            cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
-            raise cls(
-                f"rank {self.global_rank}: {what} on gloo group {self.label} "
-                f"(ranks {list(self.members)}) failed: {text.splitlines()[0] if text else exc}"
-            ) from None
-
     def native_ok(self, dt: DType) -> bool:
         return dt.name in _NATIVE_DTYPES
 
     # ------------------------------------------------------------------ p2p
     def sendrecv(self, send: np.ndarray, to: int, recv: np.ndarray, frm: int) -> None:
         """Send ``send`` to group rank ``to`` while receiving ``recv`` from ``frm`` (bytes)."""
-        self._tag = (self._tag + 1) & 0x3FFFFFFF
-        pending = []
-
-        def issue() -> None:  # inside _wait, so a peer that is gone surfaces as DDLPeerError
-            if send.nbytes:
-                pending.append(self.pg.send([self._tensor(send.view(np.uint8))], to, self._tag))
-            if recv.nbytes:
-                pending.append(self.pg.recv([self._tensor(recv.view(np.uint8))], frm, self._tag))
-            for w in pending:
-                w.wait()
-
-        self._wait([issue], "sendrecv")
+        self._tag = tag = (self._tag + 1) & 0x3FFFFFFF
+        issues = []
+        if send.nbytes:
+            s = self._tensor(send.view(np.uint8))
+            issues.append(lambda: self.pg.send([s], to, tag))
+        if recv.nbytes:
+            r = self._tensor(recv.view(np.uint8))
+            issues.append(lambda: self.pg.recv([r], frm, tag))
+        self._calls.run("sendrecv", *issues)
 
     # --------------------------------------------------------------- native
     def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
@@ -143,8 +131,7 @@ class GlooGroup:
         t = self._tensor(buf, dt)
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        self._wait([lambda: self.pg.allreduce([t], opts).wait()],
-                   f"allreduce({dt.name}[{buf.size}])")
+        self._calls.run(f"allreduce({dt.name}[{buf.size}])", lambda: self.pg.allreduce([t], opts))
         if op is ReduceOp.AVERAGE:
             t.div_(self.size)  # on the tensor view: right for bfloat16 too
 
@@ -154,19 +141,19 @@ class GlooGroup:
         opts = self._dist.BroadcastOptions()
         opts.rootRank = root
         t = self._tensor(buf.view(np.uint8))
-        self._wait([lambda: self.pg.broadcast([t], opts).wait()],
-                   f"broadcast({dt.name}[{buf.size}])")
+        self._calls.run(f"broadcast({dt.name}[{buf.size}])", lambda: self.pg.broadcast([t], opts))
 
     def allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Equal-size allgather of raw bytes: dst = concat over ranks of src."""
         if dst.nbytes == 0:
             return
         out, inp = self._tensor(dst.view(np.uint8)), self._tensor(src.view(np.uint8))
-        self._wait([lambda: self.pg._allgather_base(out, inp).wait()], "allgather")
+        self._calls.run("allgather", lambda: self.pg._allgather_base(out, inp))
 
     def barrier(self) -> None:
-        one = self._tensor(np.zeros(1, np.uint8))
-        self._wait([lambda: self.pg.allreduce([one]).wait()], "barrier")
+        one = self._torch.zeros(1, dtype=self._torch.uint8)
+        self._calls.run("barrier", lambda: self.pg.allreduce([one]))
 
     def close(self) -> None:
-        pass
+        self.pg = None  # the last reference is the caller's: closing it destroys the group
+        self._calls.close()

@@ -100,8 +100,10 @@ class MPIGroup:
         self._call("barrier", self.comm.Barrier)
 
     def close(self) -> None:
-        if self.comm != self.MPI.COMM_WORLD:
+        """Safe to call more than once (a dimension's group may be the engine's world)."""
+        comm, self.comm = self.comm, self.MPI.COMM_NULL
+        if comm != self.MPI.COMM_WORLD and comm != self.MPI.COMM_NULL:
             try:
-                self.comm.Free()
+                comm.Free()
             except self.MPI.Exception:
                 pass

@@ -100,7 +100,10 @@ class DimsEngine:
         self._guard(self.world_group.barrier)
 
     def close(self) -> None:
-        self.multidim.close()
+        try:
+            self.multidim.close()
+        finally:
+            self.world_group.close()  # a second close of a group a dimension uses is harmless
 
 
 class MultiHostEngine(DimsEngine):

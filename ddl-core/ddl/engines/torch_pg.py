@@ -1,0 +1,48 @@
+"""Calls into one torch ProcessGroup (Gloo or NCCL) from ddl's engines: failures become
+ddl errors naming the rank, the operation and the group, and ``close()`` destroys the group
+while the interpreter is whole.
+
+Why destroy it explicitly: a process group's worker threads keep each Work, and so its
+tensors, for a moment after ``wait()`` returns, and dropping a tensor made in Python takes
+the GIL. Left to the interpreter's own teardown, a worker thread that does so while Python
+is finalizing is unwound and the process aborts ("terminate called without an active
+exception", after every rank had printed its result). torch releases the GIL while it
+destroys a process group, whose destructor joins those threads, so once ``close()`` returns
+none is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import DDLPeerError, DDLTimeoutError
+
+
+class PGCaller:
+    """Runs operations on ``pg``; ``where`` names the group in error messages."""
+
+    def __init__(self, pg: Any, rank: int, where: str, *, shutdown: bool = False):
+        self.pg = pg
+        self.rank = rank
+        self.where = where
+        self._shutdown = shutdown  # NCCL wants its communicators aborted before destruction
+
+    def run(self, what: str, *issues: Callable[[], Any]) -> None:
+        """Issue each operation (a callable returning a Work), then wait for them all."""
+        try:
+            works = [issue() for issue in issues]
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            text = str(exc)
+            cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
+            first = text.splitlines()[0] if text else repr(exc)
+            raise cls(f"rank {self.rank}: {what} on {self.where} failed: {first}") from None
+
+    def close(self) -> None:
+        """Destroy the group (its threads joined). The caller drops its own reference to
+        the group first. Safe to call more than once."""
+        pg, self.pg = self.pg, None
+        if pg is not None and self._shutdown:
+            pg.shutdown()
