@@ -29,15 +29,25 @@ class PGCaller:
         self._shutdown = shutdown  # NCCL wants its communicators aborted before destruction
 
     def run(self, what: str, *issues: Callable[[], Any]) -> None:
-        """Issue each operation (a callable returning a Work), then wait for them all."""
+        """Issue each operation (a callable returning a Work), then wait for them all. Every
+        issued one is waited for even after another failed, so none is left running in the
+        group's threads (destroying the group would wait for it)."""
+        error: RuntimeError | None = None
+        works = []
         try:
-            works = [issue() for issue in issues]
-            for w in works:
-                w.wait()
+            for issue in issues:
+                works.append(issue())
         except RuntimeError as exc:
-            text = str(exc)
+            error = exc
+        for w in works:
+            try:
+                w.wait()
+            except RuntimeError as exc:
+                error = error or exc
+        if error is not None:
+            text = str(error)
             cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
-            first = text.splitlines()[0] if text else repr(exc)
+            first = text.splitlines()[0] if text else repr(error)
             raise cls(f"rank {self.rank}: {what} on {self.where} failed: {first}") from None
 
     def close(self) -> None:
