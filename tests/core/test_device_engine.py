@@ -3,15 +3,14 @@ same code over Gloo on CPU tensors (DDL_DEVICE_ENGINE=gloo), which is how it run
 
 import pytest
 
-from tests.core.util import reports, run_worker
+from tests.core.util import hosts_env, reports, run_worker
 
 torch = pytest.importorskip("torch")
 SIZES = "0,1,33,7001"
 
 
 def _run(n, per, options="", device="cpu", **env):
-    pre = [dict(LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per), DDL_HOST_INDEX=str(r // per),
-                GROUP_RANK=str(r // per), DDL_OPTIONS=options) for r in range(n)]
+    pre = hosts_env(n, per, DDL_OPTIONS=options)
     res = run_worker("device_collectives.py", n, device, SIZES, per_rank_env=pre,
                      env=dict(dict(DDL_CHUNK_BYTES="8K"), **env), timeout=300)
     reps = reports(res)

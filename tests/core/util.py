@@ -16,6 +16,13 @@ def run_worker(name: str, n: int, *args: str, env: dict | None = None, timeout: 
                      per_rank_env=per_rank_env)
 
 
+def hosts_env(n: int, per: int, **extra: str) -> list[dict]:
+    """Per-rank environment that tells ``n`` local ranks they sit ``per`` to a host, so
+    ddl plans (and runs) dimensions across "hosts" on one machine."""
+    return [dict(LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per), DDL_HOST_INDEX=str(r // per),
+                 GROUP_RANK=str(r // per), **extra) for r in range(n)]
+
+
 def reports(results: list[RankResult]) -> list[dict]:
     """The last JSON line each rank printed; fails with every rank's stderr otherwise."""
     out = []

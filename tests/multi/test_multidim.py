@@ -5,15 +5,14 @@ multi-host runs (network namespaces + sshd through ddlrun) are in test_netns_ddl
 
 import pytest
 
-from tests.core.util import reports, run_worker
+from tests.core.util import hosts_env, reports, run_worker
 
 pytest.importorskip("torch")
 SIZES = "0,3,1000,70001"
 
 
 def _hosts(n, per, options, sizes=SIZES, **env):
-    pre = [dict(LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per), DDL_HOST_INDEX=str(r // per),
-                GROUP_RANK=str(r // per), DDL_OPTIONS=options) for r in range(n)]
+    pre = hosts_env(n, per, DDL_OPTIONS=options)
     res = run_worker("collectives.py", n, sizes, per_rank_env=pre,
                      env=dict(dict(DDL_CHUNK_BYTES="64K"), **env), timeout=400)
     reps = reports(res)
@@ -55,9 +54,7 @@ def test_shutdown_leaves_no_communication_thread(env):
     """Gloo's worker threads must be gone when ddl.shutdown() returns: left to the
     interpreter's exit, one that drops a tensor then aborts the process (seen in CI as
     "terminate called without an active exception" after every rank had finished)."""
-    pre = [dict(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(r % 2), DDL_HOST_INDEX=str(r // 2),
-                GROUP_RANK=str(r // 2)) for r in range(4)]
-    for r in reports(run_worker("threads_left.py", 4, per_rank_env=pre, env=env)):
+    for r in reports(run_worker("threads_left.py", 4, per_rank_env=hosts_env(4, 2), env=env)):
         assert r["during"] > r["before"], r
         # rank 0 serves the rendezvous store, whose thread lives until the process exits
         assert r["after"] == r["before"] + (r["rank"] == 0), r
@@ -76,8 +73,7 @@ def test_bad_mode_string_is_refused():
 
 
 def test_rank_killed_on_another_host_makes_everyone_raise():
-    pre = [dict(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(r % 2), DDL_HOST_INDEX=str(r // 2),
-                GROUP_RANK=str(r // 2), DDL_OPTIONS="-mode r:2x2") for r in range(4)]
+    pre = hosts_env(4, 2, DDL_OPTIONS="-mode r:2x2")
     res = run_worker("failures.py", 4, "kill", "300000", per_rank_env=pre,
                      env=dict(DDL_TIMEOUT="60"), timeout=120)
     assert res[3].returncode == -9
@@ -103,8 +99,7 @@ def test_mpirun_job_without_mpi4py_falls_back_to_gloo(tmp_path):
 
 
 def test_asking_for_mpi_without_mpi4py_is_a_clear_error(tmp_path):
-    pre = [dict(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", DDL_HOST_INDEX=str(r), GROUP_RANK=str(r))
-           for r in range(2)]
+    pre = hosts_env(2, 1)
     res = run_worker("collectives.py", 2, "1", per_rank_env=pre,
                      env=dict(DDL_TRANSPORT="mpi", PYTHONPATH=_without_mpi4py(tmp_path)))
     assert all(r.returncode != 0 for r in res)

@@ -74,10 +74,10 @@ class DeviceGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts.is_high_priority_stream = False
             opts._timeout = td
-            self.pg = dist.ProcessGroupNCCL(prefix, position, self.size, opts)
+            pg = dist.ProcessGroupNCCL(prefix, position, self.size, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, position, self.size, td)
-        self._calls = PGCaller(self.pg, members[position],
+            pg = dist.ProcessGroupGloo(prefix, position, self.size, td)
+        self._calls = PGCaller(pg, members[position],
                                f"{backend} group {name} (ranks {list(members)})",
                                shutdown=backend == "nccl")
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -88,27 +88,26 @@ class DeviceGroup:
             return
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        self._calls.run(f"allreduce({t.dtype}[{t.numel()}])", lambda: self.pg.allreduce([t], opts))
+        self._calls.run(f"allreduce({t.dtype}[{t.numel()}])", lambda pg: pg.allreduce([t], opts))
 
     def reduce_scatter(self, out, inp, op: ReduceOp) -> None:
         """Equal blocks: out = this rank's block of the reduction of inp."""
         opts = self._dist.ReduceScatterOptions()
         opts.reduceOp = self._ops[op]
         self._calls.run(f"reduce_scatter({inp.dtype}[{inp.numel()}])",
-                        lambda: self.pg._reduce_scatter_base(out, inp, opts))
+                        lambda pg: pg._reduce_scatter_base(out, inp, opts))
 
     def allgather(self, out, inp) -> None:
         """Equal blocks: out = concat over the group of inp."""
         self._calls.run(f"allgather({inp.dtype}[{inp.numel()}])",
-                        lambda: self.pg._allgather_base(out, inp))
+                        lambda pg: pg._allgather_base(out, inp))
 
     def broadcast(self, t, root: int) -> None:
         opts = self._dist.BroadcastOptions()
         opts.rootRank = root
-        self._calls.run(f"broadcast({t.dtype}[{t.numel()}])", lambda: self.pg.broadcast([t], opts))
+        self._calls.run(f"broadcast({t.dtype}[{t.numel()}])", lambda pg: pg.broadcast([t], opts))
 
     def close(self) -> None:
-        self.pg = None  # the last reference is the caller's: closing it destroys the group
         self._calls.close()
 
 

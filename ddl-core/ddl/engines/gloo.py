@@ -90,8 +90,8 @@ class GlooGroup:
         self.timeout = ctx.timeout
         store = dist.PrefixStore(f"ddl/{name}/", ctx.store)
         td = datetime.timedelta(seconds=max(ctx.timeout, 1.0))
-        self.pg = dist.ProcessGroupGloo(store, position, self.size, td)
-        self._calls = PGCaller(self.pg, self.global_rank,
+        self._calls = PGCaller(dist.ProcessGroupGloo(store, position, self.size, td),
+                               self.global_rank,
                                f"gloo group {name} (ranks {list(members)})")
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
@@ -117,10 +117,10 @@ class GlooGroup:
         issues = []
         if send.nbytes:
             s = self._tensor(send.view(np.uint8))
-            issues.append(lambda: self.pg.send([s], to, tag))
+            issues.append(lambda pg: pg.send([s], to, tag))
         if recv.nbytes:
             r = self._tensor(recv.view(np.uint8))
-            issues.append(lambda: self.pg.recv([r], frm, tag))
+            issues.append(lambda pg: pg.recv([r], frm, tag))
         self._calls.run("sendrecv", *issues)
 
     # --------------------------------------------------------------- native
@@ -131,7 +131,7 @@ class GlooGroup:
         t = self._tensor(buf, dt)
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        self._calls.run(f"allreduce({dt.name}[{buf.size}])", lambda: self.pg.allreduce([t], opts))
+        self._calls.run(f"allreduce({dt.name}[{buf.size}])", lambda pg: pg.allreduce([t], opts))
         if op is ReduceOp.AVERAGE:
             t.div_(self.size)  # on the tensor view: right for bfloat16 too
 
@@ -141,19 +141,18 @@ class GlooGroup:
         opts = self._dist.BroadcastOptions()
         opts.rootRank = root
         t = self._tensor(buf.view(np.uint8))
-        self._calls.run(f"broadcast({dt.name}[{buf.size}])", lambda: self.pg.broadcast([t], opts))
+        self._calls.run(f"broadcast({dt.name}[{buf.size}])", lambda pg: pg.broadcast([t], opts))
 
     def allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Equal-size allgather of raw bytes: dst = concat over ranks of src."""
         if dst.nbytes == 0:
             return
         out, inp = self._tensor(dst.view(np.uint8)), self._tensor(src.view(np.uint8))
-        self._calls.run("allgather", lambda: self.pg._allgather_base(out, inp))
+        self._calls.run("allgather", lambda pg: pg._allgather_base(out, inp))
 
     def barrier(self) -> None:
         one = self._torch.zeros(1, dtype=self._torch.uint8)
-        self._calls.run("barrier", lambda: self.pg.allreduce([one]))
+        self._calls.run("barrier", lambda pg: pg.allreduce([one]))
 
     def close(self) -> None:
-        self.pg = None  # the last reference is the caller's: closing it destroys the group
         self._calls.close()

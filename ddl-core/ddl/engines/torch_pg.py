@@ -20,7 +20,8 @@ from ..errors import DDLPeerError, DDLTimeoutError
 
 
 class PGCaller:
-    """Runs operations on ``pg``; ``where`` names the group in error messages."""
+    """Owns ``pg`` (its only reference, so ``close()`` destroys it) and runs operations on
+    it; ``where`` names the group in error messages."""
 
     def __init__(self, pg: Any, rank: int, where: str, *, shutdown: bool = False):
         self.pg = pg
@@ -28,15 +29,16 @@ class PGCaller:
         self.where = where
         self._shutdown = shutdown  # NCCL wants its communicators aborted before destruction
 
-    def run(self, what: str, *issues: Callable[[], Any]) -> None:
-        """Issue each operation (a callable returning a Work), then wait for them all. Every
+    def run(self, what: str, *issues: Callable[[Any], Any]) -> None:
+        """Issue each operation (a callable taking the group, returning a Work), then wait
+        for them all. Every
         issued one is waited for even after another failed, so none is left running in the
         group's threads (destroying the group would wait for it)."""
         error: RuntimeError | None = None
         works = []
         try:
             for issue in issues:
-                works.append(issue())
+                works.append(issue(self.pg))
         except RuntimeError as exc:
             error = exc
         for w in works:
@@ -51,8 +53,7 @@ class PGCaller:
             raise cls(f"rank {self.rank}: {what} on {self.where} failed: {first}") from None
 
     def close(self) -> None:
-        """Destroy the group (its threads joined). The caller drops its own reference to
-        the group first. Safe to call more than once."""
+        """Destroy the group (its threads joined). Safe to call more than once."""
         pg, self.pg = self.pg, None
         if pg is not None and self._shutdown:
             pg.shutdown()
