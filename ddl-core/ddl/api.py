@@ -7,13 +7,14 @@ the blocking, in-place and ``_async`` spellings below are thin wrappers around i
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import config, grid, options, tensors
+from . import config, grid, identity, options, tensors
 from .devices import DeviceRouter
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError
@@ -30,6 +31,7 @@ _options: options.Options | None = None
 _devices: DeviceRouter | None = None
 _groups: list[Group] = []
 _maker: GroupMaker | None = None
+_rdzv: Any = None  # ddl's rendezvous when init opened one to agree the job id
 
 
 # ------------------------------------------------------------------------ lifecycle
@@ -37,14 +39,20 @@ def init() -> None:
     """Join the job described by the launch environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, ...; see docs/api.md). Without one, this process is a 1-rank world.
     Calling it again is a no-op."""
-    global _world, _engine, _runtime, _options, _devices, _maker
+    global _world, _engine, _runtime, _options, _devices, _maker, _rdzv
     with _lock:
         if _world is not None:
             return
         world = world_from_env()
         opts = options.parse(config.get("DDL_OPTIONS"))
         options.check_grid(opts, world.size)
-        engine = _make_engine(world, opts)
+        world, rdzv = _identify(world)
+        try:
+            engine = _make_engine(world, opts, rdzv)
+        except BaseException:
+            if rdzv is not None:
+                rdzv.close()
+            raise
         if opts.dbg_level and world.rank == 0:
             import sys
 
@@ -53,9 +61,31 @@ def init() -> None:
                   f"{engine.name}: {desc}; options {opts.to_string() or '(none)'}",
                   file=sys.stderr, flush=True)
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
+        _rdzv = rdzv
         _devices = DeviceRouter(world, opts, _rendezvous)
         _maker = GroupMaker(world, engine, _runtime, timeout=config.get("DDL_TIMEOUT"),
                             chunk_bytes=config.get("DDL_CHUNK_BYTES"), shm_kwargs=_shm_kwargs())
+
+
+def _identify(world: World) -> tuple[World, Any]:
+    """The world with its job id: given (ddlrun, DDL_JOB_ID, the process manager) or agreed
+    now through ddl's rendezvous, which is then kept for the engines (see identity.py)."""
+    if world.job_id:
+        return world, None
+    if world.size == 1:
+        return dataclasses.replace(world, job_id=identity.random_job_id()), None
+    from .rendezvous import connect
+
+    addr, port = config.get("MASTER_ADDR"), _port()
+    timeout = config.init_timeout()
+    rdzv = connect(world.rank, world.size, addr, port, identity.job_secret(), timeout)
+    try:
+        job_id = identity.agree_job_id(rdzv.client, world.rank, world.size, timeout,
+                                       f"{addr}:{port}")
+    except BaseException:
+        rdzv.close()
+        raise
+    return dataclasses.replace(world, job_id=job_id), rdzv
 
 
 def _rendezvous():
@@ -67,13 +97,16 @@ def _rendezvous():
         return store
     from .engines.gloo import GlooContext
 
+    # init's rendezvous holds the port already when it agreed the job id through it. Else
+    # the store keeps the one made here (rank 0's server) alive as long as torch holds it.
     return GlooContext(_world.rank, _world.size, config.get("MASTER_ADDR"), _port(),
-                       config.get("DDL_TIMEOUT")).store
+                       config.get("DDL_TIMEOUT"), secret=identity.job_secret(),
+                       rendezvous=_rdzv).store
 
 
 def _shm_kwargs() -> dict:
     return dict(
-        init_timeout=config.get("DDL_INIT_TIMEOUT"),
+        init_timeout=config.init_timeout(),
         slot_bytes=config.get("DDL_SHM_SLOT_BYTES"),
         max_bytes=config.get("DDL_SHM_MAX_BYTES"),
         small_bytes=config.get("DDL_SHM_SMALL_BYTES"),
@@ -83,7 +116,7 @@ def _shm_kwargs() -> dict:
     )
 
 
-def _make_engine(world: World, opts: options.Options):
+def _make_engine(world: World, opts: options.Options, rdzv: Any = None):
     """Local for one rank; the shared-memory engine when every rank is on this host (any
     grid inside one host is the same set of ranks); otherwise the multi-dimensional engine
     over shared memory inside hosts and Gloo across them."""
@@ -107,7 +140,8 @@ def _make_engine(world: World, opts: options.Options):
                            port=port,
                            timeout=config.get("DDL_TIMEOUT"),
                            chunk_bytes=config.get("DDL_CHUNK_BYTES"),
-                           shm_kwargs=_shm_kwargs())
+                           shm_kwargs=_shm_kwargs(), secret=identity.job_secret(),
+                           rendezvous=rdzv)
 
 
 def _port() -> int:
@@ -128,7 +162,7 @@ def _have(module: str) -> bool:
 
 def shutdown() -> None:
     """Finish queued work and release shared memory. Safe to call more than once."""
-    global _world, _engine, _runtime, _devices
+    global _world, _engine, _runtime, _devices, _rdzv
     with _lock:
         if _world is None:
             return
@@ -143,8 +177,12 @@ def shutdown() -> None:
                     while _groups:
                         _groups.pop().close()
                 finally:
-                    _engine.close()
-                    _world, _engine, _runtime, _devices = None, None, None, None
+                    try:
+                        _engine.close()
+                    finally:
+                        if _rdzv is not None:
+                            _rdzv.close()
+                        _world, _engine, _runtime, _devices, _rdzv = None, None, None, None, None
 
 
 atexit.register(shutdown)
@@ -214,7 +252,7 @@ def new_group(ranks, *, timeout: float | None = None) -> Group | None:
     ranks = check_ranks(ranks, w.size)
     if w.rank not in ranks:
         return None
-    g = _maker.make(ranks, config.get("DDL_INIT_TIMEOUT") if timeout is None else timeout)
+    g = _maker.make(ranks, config.init_timeout() if timeout is None else timeout)
     with _lock:
         _groups.append(g)
     return g

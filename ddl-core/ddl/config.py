@@ -88,8 +88,24 @@ _VARS = [
     EnvVar(
         "DDL_INIT_TIMEOUT",
         float,
-        60.0,
-        "seconds ddl.init() waits for the other ranks on this host to attach",
+        None,
+        "seconds ddl.init() (and new_group) waits for the other ranks to arrive "
+        "(default: DDL_TIMEOUT)",
+    ),
+    EnvVar(
+        "DDL_JOB_SECRET",
+        str,
+        None,
+        "the job's secret: ddl's rendezvous serves only clients that prove it, and "
+        "shared-memory segments carry a token derived from it (set by ddlrun; give every "
+        "rank the same value when several launchers start one job)",
+    ),
+    EnvVar(
+        "DDL_JOB_SECRET_FILE",
+        str,
+        None,
+        "file holding the job's secret (a Kubernetes Secret, a file only the job's user "
+        "reads); used when DDL_JOB_SECRET is unset",
     ),
     EnvVar(
         "DDL_SHM_SLOT_BYTES",
@@ -137,8 +153,9 @@ _VARS = [
         "DDL_PORT",
         int,
         None,
-        "port of ddl's own rendezvous (a TCP store on rank 0 at MASTER_ADDR) for the "
-        "cross-host engines (default: MASTER_PORT + 1, so torch's own group keeps MASTER_PORT)",
+        "port of ddl's own rendezvous (an authenticated store on rank 0, bound to "
+        "MASTER_ADDR) for the cross-host engines and for jobs that agree their id at init "
+        "(default: MASTER_PORT + 1, so torch's own group keeps MASTER_PORT)",
     ),
     EnvVar(
         "DDL_TRANSPORT",
@@ -198,6 +215,12 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
         return var.parse(raw)
     except (ValueError, TypeError) as exc:
         raise DDLConfigError(f"{name}={raw!r} is invalid: {exc}") from None
+
+
+def init_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """DDL_INIT_TIMEOUT, or DDL_TIMEOUT when it is unset: one knob bounds every wait."""
+    value = get("DDL_INIT_TIMEOUT", environ)
+    return get("DDL_TIMEOUT", environ) if value is None else value
 
 
 def describe() -> list[tuple[str, str, str]]:

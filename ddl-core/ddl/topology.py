@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import config
+from . import config, identity
 from .errors import DDLConfigError
 
 
@@ -19,7 +18,7 @@ class World:
     local_size: int
     host_index: int
     num_hosts: int
-    job_id: str
+    job_id: str  # "" until ddl.init has agreed one (see identity.py)
     launched_by_mpi: bool = False
 
     @property
@@ -29,13 +28,6 @@ class World:
     @property
     def cross_size(self) -> int:
         return self.num_hosts
-
-
-def _default_job_id(env: Mapping[str, str] | None) -> str:
-    # Ranks started without ddlrun (torchrun, by hand) agree on this without talking.
-    addr, port = config.get("MASTER_ADDR", env), config.get("MASTER_PORT", env)
-    key = f"{addr}:{port}:{config.get('WORLD_SIZE', env)}"
-    return "auto" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 _MPI_VARS = {  # what Open MPI and Slurm set, for jobs mpirun/srun started without ddlrun
@@ -84,7 +76,11 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
         )
     hosts = [h for h in config.get("DDL_HOSTS", env).split(",") if h]
     num_hosts = len(hosts) if hosts else -(-size // local_size)
-    job_id = config.get("DDL_JOB_ID", env) or _default_job_id(env)
+    # "" when nobody gave the job an id: ddl.init agrees one through the rendezvous
+    # the process manager's job name only when it also gave the rank: ranks started by hand
+    # inside an mpirun or srun task inherit its variables but are not that job
+    manager = identity.manager_job_id(raw) if not raw.get("RANK") else None
+    job_id = config.get("DDL_JOB_ID", env) or manager or ""
     if host_index is None:
         host_index = rank // local_size if size % local_size == 0 else 0
     return World(rank, size, local_rank, local_size, host_index, num_hosts, job_id, by_mpi)

@@ -10,25 +10,32 @@ every exit, and tears the ranks down (SIGTERM, deadline, SIGKILL) when
 - the agent gets SIGTERM, SIGINT or SIGHUP,
 - one of its ranks fails (fail fast: the launcher stops the other hosts).
 
-Then it removes the job's shared memory on this host (``cleanup_job(job, host_index)``)
-and sends ``{"t": "done"}``.
+Before that teardown it reports which of its ranks are stopped (``stuck``), since the
+teardown continues them. Then it removes the job's shared memory on this host
+(``cleanup_job(job, host_index)``) and sends ``{"t": "done"}``. At start it removes
+shared memory that crashed jobs of this user left on the host (``swept``).
 
-Messages to the launcher: ``started {pids}``, ``line {r, s, d}``, ``exit {r, c, p}``,
+Messages to the launcher: ``started {pids}``, ``swept {n, bytes}``, ``line {r, s, d}``,
+``exit {r, c, p, w}`` (``w``: the wall-clock time of the exit, so the launcher can order
+exits of all hosts by when they happened), ``eof {r}`` (all of rank r's output was sent),
+``stuck {s: {rank: [pid, state]}}`` (on request ``{"t": "stuck"}`` and before teardown),
 ``done {removed}``. ``--probe`` prints host facts for preflight instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
 import sys
 import threading
+import time
 from typing import BinaryIO
 
 from .procs import Exit, ProcessSet, ProcSpec
-from .shm import cleanup
+from .shm import cleanup, sweep_orphans
 
 
 class _Writer:
@@ -59,19 +66,29 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
 
     def on_exit(ex: Exit) -> None:
         exits[ex.key] = ex.code
-        writer.send(t="exit", r=ex.key, c=ex.code, p=ex.pid)
+        wall = time.time() - (time.monotonic() - ex.time)
+        writer.send(t="exit", r=ex.key, c=ex.code, p=ex.pid, w=wall)
         if ex.code != 0:
             failed.set()
         if len(exits) == len(ranks) or ex.code != 0:
             stop.set()
 
+    def on_eof(rank: int) -> None:
+        writer.send(t="eof", r=rank)
+
+    def send_stuck() -> None:
+        writer.send(t="stuck", s={str(k): list(v) for k, v in procs.stuck().items()})
+
     def watch_stdin() -> None:
         for raw in iter(stdin.readline, b""):
             try:
-                if json.loads(raw).get("t") == "stop":
-                    break
-            except ValueError:
+                kind = json.loads(raw).get("t")
+            except (ValueError, AttributeError):
                 continue
+            if kind == "stop":
+                break
+            if kind == "stuck":
+                send_stuck()
         stop.set()
 
     def on_signal(signum, frame) -> None:
@@ -84,7 +101,10 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     if not cwd or not os.path.isdir(cwd):
         cwd = None
     base = dict(os.environ)
-    procs = ProcessSet(on_line, on_exit)
+    swept = sweep_orphans()
+    if swept:
+        writer.send(t="swept", n=len(swept), bytes=sum(size for _, size in swept))
+    procs = ProcessSet(on_line, on_exit, on_eof=on_eof)
     try:
         procs.start(
             ProcSpec(r["rank"], tuple(r["argv"]), {**base, **r["env"]}, cwd) for r in ranks
@@ -101,6 +121,7 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
         while not stop.wait(0.5):
             pass
     finally:
+        send_stuck()
         procs.close(signal.SIGTERM, grace)
         removed = cleanup(spec["job_id"], spec["host_index"])
         writer.send(t="done", removed=len(removed))
@@ -110,7 +131,8 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddlrun.agent", description=__doc__.split("\n")[0])
     p.add_argument("--probe", action="store_true", help="print this host's facts as JSON")
-    p.add_argument("--port", type=int, default=None, help="with --probe: check this port")
+    p.add_argument("--port", type=int, action="append", default=[],
+                   help="with --probe: check this port (repeatable)")
     p.add_argument("--iface", default=None, help="with --probe: report this interface's address")
     args = p.parse_args(argv)
     if args.probe:
@@ -118,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(probe(args.port, args.iface)), flush=True)
         return 0
-    stdin = sys.stdin.buffer
+    # Unbuffered: the thread that waits on stdin must hold no buffer lock, or interpreter
+    # shutdown aborts the agent ("could not acquire lock for <stdin>"); messages are small.
+    stdin = io.FileIO(sys.stdin.fileno(), "rb", closefd=False)
     line = stdin.readline()
     if not line:
         return 2

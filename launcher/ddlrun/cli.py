@@ -4,6 +4,9 @@ side effects) -> ``main()`` (preflight, plan, act).
 Host precedence: ``-H`` or ``--hostfile`` (not both), else the Slurm/LSF allocation ddlrun
 runs in, else this host (``-n N`` local ranks). ``--launcher auto`` picks slurm/lsf inside an
 allocation, ssh when any host is not this one, local otherwise.
+
+Side effects live here, not in the planner: the job id, the free port, the job's secret
+(``job_secret_env``) and the sweep of orphaned shared memory at start.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import shlex
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import version
@@ -33,17 +36,28 @@ from .hosts import (
     slurm_hosts,
 )
 from .output import OutputSink, log_paths
-from .plan import HostFacts, Request, describe, make_plan, parse_rankfile, validate_env_name
+from .plan import (
+    SECRET_SOURCES,
+    HostFacts,
+    Request,
+    describe,
+    make_plan,
+    parse_rankfile,
+    validate_env_name,
+    validate_job_id,
+)
 from .preflight import (
     ProbeResult,
     check,
     facts_from_probe,
+    pick_free_pair,
     probe,
     probe_all,
     probe_remote,
     version_table,
 )
 from .run import signals_raise, supervise
+from .shm import cleanup, mib, sweep_orphans
 
 LAUNCHERS = ("auto", "local", "ssh", "mpirun", "slurm", "lsf")
 
@@ -92,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true",
                    help="print per-host commands and per-rank env; start nothing")
     r.add_argument("--check", action="store_true", help="preflight only")
+    r.add_argument("--cleanup", action="store_true",
+                   help="remove shared memory of killed jobs on this host (with --job-id: "
+                   "all of that job's) and exit")
     r.add_argument("--no-preflight", action="store_true", help="skip the preflight at start")
     r.add_argument("--log-dir", help="write per-rank stdout/stderr under DIR/<job id>/")
     r.add_argument("--tag-output", action=argparse.BooleanOptionalAction, default=True,
@@ -114,6 +131,7 @@ class Config:
     launcher: str
     dry_run: bool = False
     check: bool = False
+    cleanup: bool = False
     preflight: bool = True
     log_dir: str | None = None
     timeout: float | None = None
@@ -224,6 +242,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         launcher=launcher,
         dry_run=args.dry_run,
         check=args.check,
+        cleanup=args.cleanup,
         preflight=not args.no_preflight,
         log_dir=args.log_dir,
         timeout=args.timeout,
@@ -237,10 +256,78 @@ def new_job_id() -> str:
     return f"{time.strftime('%Y%m%d%H%M%S')}_{secrets.token_hex(4)}"
 
 
+def new_secret() -> str:
+    try:
+        from ddl.identity import new_secret as ddl_new_secret
+    except ImportError:  # ddl's rule, for a launcher host without a working ddl
+        return secrets.token_urlsafe(32)
+    return ddl_new_secret()
+
+
+def job_secret_env(request: Request, environ: Mapping[str, str],
+                   draw: Callable[[], str] = new_secret) -> dict[str, str]:
+    """The variables that carry the job's secret to every rank: the user's own
+    (DDL_JOB_SECRET / DDL_JOB_SECRET_FILE in ddlrun's environment) passed on, none when
+    ``-x`` already exports one, else a new secret."""
+    if any(key in SECRET_SOURCES for key, _ in request.env):
+        return {}
+    theirs = {key: environ[key] for key in SECRET_SOURCES if environ.get(key)}
+    return theirs or {"DDL_JOB_SECRET": draw()}
+
+
+def _user_env_value(cfg: Config, name: str, environ: Mapping[str, str]) -> str | None:
+    """What ``name`` will be for the ranks: from ``-x``, else (ranks on this host inherit
+    ddlrun's environment) from ours."""
+    for key, value in cfg.request.env:
+        if key == name:
+            return environ.get(key) if value is None else value
+    return environ.get(name) if cfg.launcher == "local" else None
+
+
+def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) -> dict[int, str]:
+    """The ports rank 0's host will bind, and what each is for (for preflight messages)."""
+    ports: dict[int, str] = {}
+    ddl_port = _user_env_value(cfg, "DDL_PORT", environ)
+    store = int(ddl_port) if ddl_port and ddl_port.isdigit() else None
+    if master_port:
+        ports[master_port] = (f"MASTER_PORT {master_port} (torch's init_process_group binds "
+                              "it)")
+        store = store or master_port + 1
+    if store:
+        ports.setdefault(store, f"ddl's store port {store} (DDL_PORT, default MASTER_PORT+1)")
+    return ports
+
+
+def run_cleanup(job_id: str | None, sink: OutputSink) -> int:
+    """``ddlrun --cleanup``: this host only (run it on each host of a killed job)."""
+    if job_id:
+        for name in cleanup(validate_job_id(job_id), None):
+            print(f"removed /dev/shm/{name}", flush=True)
+        return 0
+    removed = sweep_orphans()
+    for name, size in removed:
+        print(f"removed /dev/shm/{name} ({mib(size)})", flush=True)
+    if removed:
+        sink.note(f"removed {len(removed)} orphaned shared-memory segment(s) "
+                  f"({mib(sum(size for _, size in removed))})")
+    else:
+        sink.note("no orphaned shared-memory segments of this user on this host")
+    return 0
+
+
+def sweep_at_start(sink: OutputSink) -> None:
+    """Every start removes what killed jobs left here; quiet unless it removed something."""
+    swept = sweep_orphans()
+    if swept:
+        sink.note(f"removed {len(swept)} orphaned shared-memory segment(s) of killed jobs "
+                  f"({mib(sum(size for _, size in swept))}; see ddlrun --cleanup)")
+
+
 # ---------------------------------------------------------------------------- preflight
-def gather_facts(cfg: Config, backend) -> tuple[dict[str, HostFacts], list[ProbeResult]]:
+def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
+                 ) -> tuple[dict[str, HostFacts], list[ProbeResult]]:
     """Probe every host: in-process for local ones, through the backend's transport (ssh,
-    blaunch) for remote ones. Returns facts and the raw results."""
+    blaunch) for remote ones; host 0 checks ``ports``. Returns facts and the raw results."""
     req = cfg.request
     iface = req.network_interface
     here = {socket.gethostname()}
@@ -248,16 +335,16 @@ def gather_facts(cfg: Config, backend) -> tuple[dict[str, HostFacts], list[Probe
     # Remote hosts are probed over the backend's own transport (ssh for mpirun).
     remote = backend if isinstance(backend, AgentBackend) else SshBackend(cfg.options)
 
-    def one(host: HostSpec, port: int | None) -> ProbeResult:
+    def one(host: HostSpec, check: Sequence[int]) -> ProbeResult:
         if is_local(host.name, here):
-            return ProbeResult(host.name, probe(port, iface), None)
-        return probe_remote(host.name, remote.probe_cmd(host, port, iface),
+            return ProbeResult(host.name, probe(check, iface), None)
+        return probe_remote(host.name, remote.probe_cmd(host, check, iface),
                             cfg.options.start_timeout + 5, remote.fix_hint(host))
 
     hosts = list(req.hosts)
     results = probe_all([h.name for h in hosts],
                         lambda name: one(next(h for h in hosts if h.name == name),
-                                         cfg.master_port if name == hosts[0].name else None))
+                                         ports if name == hosts[0].name else ()))
     facts = {r.host: facts_from_probe(r.data) for r in results if r.data is not None}
     return facts, results
 
@@ -269,16 +356,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     sink = OutputSink(tag=args.tag_output)
     try:
         cfg = config_from_args(args, os.environ)
+        if cfg.cleanup:
+            return run_cleanup(cfg.job_id, sink)
         if not cfg.request.program and not cfg.check:
             parser.print_usage(sys.stderr)
             raise UsageError("no program given: ddlrun [options] program [args...]")
         backend = get_backend(cfg.launcher, cfg.options)
         facts: dict[str, HostFacts] = {}
         can_probe = cfg.launcher != "slurm"  # srun places ranks itself
+        ports = job_ports(cfg, cfg.master_port, os.environ)
         if cfg.check or (cfg.preflight and not cfg.dry_run and can_probe):
-            facts, results = gather_facts(cfg, backend)
+            facts, results = gather_facts(cfg, backend, list(ports))
             table = version_table(results)
-            problems = check(results, cfg.request.network_interface)
+            problems = check(results, cfg.request.network_interface, ports)
             if cfg.check or cfg.verbose:
                 print(table, flush=True)
             if problems:
@@ -288,18 +378,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
         elif cfg.dry_run:
             here = {socket.gethostname()}
-            facts = {h.name: facts_from_probe(probe(None, None)) for h in cfg.request.hosts
+            facts = {h.name: facts_from_probe(probe((), None)) for h in cfg.request.hosts
                      if is_local(h.name, here)}
         job_id = cfg.job_id or new_job_id()
         host0 = cfg.request.hosts[0].name
-        port = cfg.master_port or (facts.get(host0) and facts[host0].free_port) or 29500
-        plan = make_plan(cfg.request, facts, job_id, port, os.environ)
+        port = cfg.master_port or (facts.get(host0) and facts[host0].free_port)
+        if not port:
+            port = pick_free_pair() if is_local(host0, {socket.gethostname()}) else 29500
+        plan = make_plan(cfg.request, facts, job_id, port, os.environ,
+                         job_secret_env(cfg.request, os.environ))
         backend.validate(plan)
         if cfg.dry_run:
             print(describe(plan))
             for argv_ in backend.commands(plan):
                 print("command: " + shlex.join(argv_))
             return 0
+        sweep_at_start(sink)
         if cfg.verbose:
             sink.note(describe(plan))
         if (cfg.launcher != "local" or cfg.verbose) and not backend.notes_own_command:

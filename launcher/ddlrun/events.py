@@ -12,7 +12,7 @@ class RankExit:
     host_index: int
     code: int  # negative: killed by that signal
     pid: int
-    time: float
+    time: float  # when the rank exited (launcher's monotonic clock), not when we heard of it
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,17 @@ class JobExit:
 
     code: int
     time: float
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A rank that is alive but cannot run (``/proc`` state T or t): it never exits, so its
+    peers time out waiting for it and only its state names it."""
+
+    rank: int
+    host_index: int
+    pid: int
+    state: str
 
 
 Event = RankExit | HostLost | JobExit

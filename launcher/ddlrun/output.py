@@ -1,7 +1,8 @@
 """Rank output: split into lines (``\\n`` and ``\\r`` both end a line, so progress bars
-survive), tag with ``[rank]``, write whole lines under one lock (never interleaved
-mid-line), copy to per-rank log files, and keep the last lines of every rank for failure
-reports. Log paths are resolved as data by :func:`log_paths` before anything starts.
+survive; a line longer than ``MAX_LINE`` is forwarded in pieces as it arrives), tag with
+``[rank]``, write whole lines under one lock (never interleaved mid-line), copy to per-rank
+log files byte for byte, and keep the last lines of every rank for failure reports. Log
+paths are resolved as data by :func:`log_paths` before anything starts.
 """
 
 from __future__ import annotations
@@ -15,49 +16,78 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
+MAX_LINE = 65536  # characters: longer lines are forwarded (and tagged) in pieces this long
+TAIL_CHARS = 1000  # a failure report shows at most this much of one line
+
 
 class LineSplitter:
-    """Incremental UTF-8 decoding (invalid bytes replaced) and line splitting. Every line
-    returned keeps its terminator (``\\n``, ``\\r`` or ``\\r\\n``); :meth:`flush` returns
-    the unterminated rest."""
+    """Incremental UTF-8 decoding (invalid bytes replaced) and line splitting in linear time.
 
-    def __init__(self) -> None:
+    Every line returned keeps its terminator (``\\n``, ``\\r`` or ``\\r\\n``). A line longer
+    than ``max_line`` characters comes out in pieces of ``max_line`` without a terminator,
+    so one huge unterminated write is forwarded as it arrives instead of held (and rescanned)
+    until its end; ``None`` keeps lines whole (the agent protocol, whose messages must not be
+    cut). :meth:`flush` returns the unterminated rest.
+    """
+
+    def __init__(self, max_line: int | None = MAX_LINE) -> None:
+        if max_line is not None and max_line < 1:
+            raise ValueError(f"max_line must be at least 1, got {max_line}")
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buf = ""
+        self._max = max_line
+        self._parts: list[str] = []  # the unterminated line so far, never rescanned
+        self._held = 0  # characters in _parts
 
     def feed(self, data: bytes) -> list[str]:
-        self._buf += self._decoder.decode(data)
-        return self._split()
+        return self._split(self._decoder.decode(data))
 
-    def _split(self) -> list[str]:
-        lines = []
-        start = 0
-        buf = self._buf
-        i = 0
-        while i < len(buf):
-            ch = buf[i]
-            if ch == "\n" or ch == "\r":
-                end = i + 1
-                if ch == "\r":
-                    if end == len(buf):
-                        break  # might be the first half of \r\n: wait for more
-                    if buf[end] == "\n":
-                        end += 1
-                lines.append(buf[start:end])
-                start = i = end
-                continue
-            i += 1
-        self._buf = buf[start:]
-        return lines
+    def _split(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self._parts and self._parts[-1].endswith("\r"):
+            # a held "\r" waited for this text: "\r\n" is one terminator, not two
+            self._parts[-1] = self._parts[-1][:-1]
+            self._held -= 1
+            text = "\r" + text
+        # str.find runs at memchr speed; a regex over every character costs 10x more
+        pos, size = 0, len(text)
+        nl, cr = text.find("\n"), text.find("\r")
+        while nl >= 0 or cr >= 0:
+            if cr < 0 or 0 <= nl < cr:
+                eol, end = nl, nl + 1
+            elif cr + 1 == size:
+                break  # might be the first half of "\r\n": hold it for the next read
+            else:
+                eol, end = cr, cr + 2 if text[cr + 1] == "\n" else cr + 1
+            self._take(text[pos:eol], out)
+            out.append(self._joined() + text[eol:end])
+            pos = end
+            if nl < end:
+                nl = text.find("\n", end)
+            if cr < end:
+                cr = text.find("\r", end)
+        self._take(text[pos:], out)
+        return out
+
+    def _take(self, text: str, out: list[str]) -> None:
+        """Add unterminated text to the current line, emitting full pieces of it."""
+        while self._max is not None and text and self._held + len(text) > self._max:
+            cut = self._max - self._held
+            self._parts.append(text[:cut])
+            out.append(self._joined())
+            text = text[cut:]
+        if text:
+            self._parts.append(text)
+            self._held += len(text)
+
+    def _joined(self) -> str:
+        line = "".join(self._parts)
+        self._parts, self._held = [], 0
+        return line
 
     def flush(self) -> list[str]:
-        self._buf += self._decoder.decode(b"", final=True)
-        rest, self._buf = self._buf, ""
-        if not rest:
-            return []
-        if rest.endswith("\r"):
-            return [rest]
-        return [rest]
+        rest = self._split(self._decoder.decode(b"", final=True))
+        tail = self._joined()
+        return [*rest, tail] if tail else rest
 
 
 @dataclass(frozen=True)
@@ -103,13 +133,15 @@ class OutputSink:
             self._files[(rank, "stderr")] = open(paths.stderr, "w", encoding="utf-8", newline="")  # noqa: SIM115
 
     def line(self, rank: int, stream: str, text: str) -> None:
-        if not text.endswith(("\n", "\r")):
-            text += "\n"
-        shown = f"[{rank}] {text}" if self.tag else text
+        """One line (or a piece of a long one) of a rank. The terminal gets it tagged and
+        terminated; the log file gets exactly what the rank wrote."""
+        shown = text if text.endswith(("\n", "\r")) else text + "\n"
+        if self.tag:
+            shown = f"[{rank}] {shown}"
         target = self._err if stream == "stderr" else self._out
         with self._lock:
             tail = self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
-            tail.append(text.rstrip("\r\n"))
+            tail.append(_clip(text.rstrip("\r\n")))
             f = self._files.get((rank, stream))
             if f is not None:
                 f.write(text)
@@ -123,7 +155,8 @@ class OutputSink:
             text += "\n"
         target = self._err if stream == "stderr" else self._out
         with self._lock:
-            self._tails.setdefault(-1, deque(maxlen=self._tail_lines)).append(text.rstrip())
+            self._tails.setdefault(-1, deque(maxlen=self._tail_lines)).append(
+                _clip(text.rstrip()))
             target.write(text)
             target.flush()
 
@@ -143,3 +176,9 @@ class OutputSink:
             for f in self._files.values():
                 f.close()
             self._files.clear()
+
+
+def _clip(line: str) -> str:
+    if len(line) <= TAIL_CHARS:
+        return line
+    return f"{line[:TAIL_CHARS]}... ({len(line) - TAIL_CHARS} more characters)"

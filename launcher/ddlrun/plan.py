@@ -1,5 +1,6 @@
 """The job plan: who runs where, with which argv and env. Pure: no I/O, no clock, no
-randomness (the job id and master port come in as inputs), so tests assert on it directly.
+randomness (the job id, master port and job secret come in as inputs), so tests assert on
+it directly.
 
 Env contract, for every rank (torchrun-compatible, so unchanged torch scripts run):
 
@@ -13,6 +14,9 @@ MASTER_ADDR        address of host 0 (its --network-interface address when given
 MASTER_PORT        free port on host 0 for rendezvous
 DDL_OPTIONS        IBM DDL options, e.g. ``-mode p:4x2`` (omitted with --no_ddloptions)
 DDL_JOB_ID         unique job id ``[A-Za-z0-9_.]{1,64}``; scopes shared memory
+DDL_JOB_SECRET     the job's secret (new per job), unless the user set DDL_JOB_SECRET or
+                   DDL_JOB_SECRET_FILE, which then travel instead; never on a command line
+                   and shown as ``<secret>`` (see ``SECRET_ENV``)
 DDL_HOST_INDEX     same as GROUP_RANK; scopes shared memory per host
 DDL_HOSTS          comma-separated host list of the job, in host-index order
 CUDA_VISIBLE_DEVICES  the rank's GPU(s), only on hosts where GPUs were detected
@@ -41,11 +45,15 @@ RANK_ENV = (
     "MASTER_PORT",
     "DDL_OPTIONS",
     "DDL_JOB_ID",
+    "DDL_JOB_SECRET",
     "DDL_HOST_INDEX",
     "DDL_HOSTS",
     "CUDA_VISIBLE_DEVICES",
     "OMP_NUM_THREADS",
 )
+SECRET_ENV = ("DDL_JOB_SECRET",)  # values never printed (describe, -v, --dry-run)
+SECRET_SOURCES = ("DDL_JOB_SECRET", "DDL_JOB_SECRET_FILE")  # either: the user has a secret
+MASK = "<secret>"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 _MODE = re.compile(r"^([rnbp]+)(?::(\d+(?:x\d+)*))?$")
@@ -267,6 +275,12 @@ def validate_env_name(name: str) -> str:
     return name
 
 
+def validate_job_id(job_id: str) -> str:
+    if not _JOB_ID.match(job_id):
+        raise UsageError(f"job id {job_id!r} is invalid: 1-64 characters of [A-Za-z0-9_.]")
+    return job_id
+
+
 def cuda_devices(local_rank: int, local_size: int, gpus: int) -> str | None:
     if gpus <= 0:
         return None
@@ -318,12 +332,14 @@ def make_plan(
     job_id: str,
     master_port: int,
     environ: Mapping[str, str],
+    secret_env: Mapping[str, str] | None = None,
 ) -> JobPlan:
-    """Build the whole job plan. ``environ`` is the launcher's env (for ``-x KEY``)."""
+    """Build the whole job plan. ``environ`` is the launcher's env (for ``-x KEY``);
+    ``secret_env`` the variables that carry the job's secret to every rank (the caller draws
+    a new secret or passes the user's on: drawing one is a side effect)."""
     if not req.program:
         raise UsageError("no program given: ddlrun [options] program [args...]")
-    if not _JOB_ID.match(job_id):
-        raise UsageError(f"job id {job_id!r} is invalid: 1-64 characters of [A-Za-z0-9_.]")
+    validate_job_id(job_id)
     if not 0 < master_port < 65536:
         raise UsageError(f"--master-port {master_port} is out of range 1-65535")
     placement = assign(req, facts)
@@ -346,6 +362,7 @@ def make_plan(
 
     options = ddl_options(req, placement)
     common = dict(user_env)
+    common.update(secret_env or {})
     common.update(
         {
             "WORLD_SIZE": str(len(placement)),
@@ -400,8 +417,13 @@ def rankfile_lines(plan: JobPlan, cores: Mapping[str, int] | None = None) -> lis
     return lines
 
 
+def masked(key: str, value: str) -> str:
+    """``KEY=VALUE`` for printing: secrets shown as ``<secret>``."""
+    return f"{key}={MASK if key in SECRET_ENV else value}"
+
+
 def describe(plan: JobPlan) -> str:
-    """Human-readable plan for --dry-run and -v."""
+    """Human-readable plan for --dry-run and -v (secrets masked)."""
     out = [
         f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} host(s)",
         f"  MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}",
@@ -414,6 +436,6 @@ def describe(plan: JobPlan) -> str:
                    + ",".join(str(r.rank) for r in h.ranks))
         for r in h.ranks:
             own = {k: v for k, v in r.env if common.get(k) != v}
-            out.append(f"  [{r.rank}] " + " ".join(f"{k}={v}" for k, v in sorted(own.items())))
-    out.append("common env: " + " ".join(f"{k}={v}" for k, v in plan.common_env))
+            out.append(f"  [{r.rank}] " + " ".join(masked(k, v) for k, v in sorted(own.items())))
+    out.append("common env: " + " ".join(masked(k, v) for k, v in plan.common_env))
     return "\n".join(out)

@@ -1,4 +1,6 @@
-"""Preflight: is every host reachable, on the same versions, and is the master port free?
+"""Preflight: is every host reachable, on the same versions, and are the ports the job will
+bind free on host 0 (MASTER_PORT, which torch's ``init_process_group`` binds, and ddl's
+store port, ``DDL_PORT`` or MASTER_PORT+1)?
 
 ``probe()`` runs on a host (in-process for local jobs, ``python -m ddlrun.agent --probe``
 over ssh for remote ones) and returns facts as JSON. ``check()`` is pure: facts in,
@@ -64,13 +66,20 @@ def port_free(port: int, addr: str = "") -> bool:
             return False
 
 
-def pick_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def pick_free_pair(attempts: int = 64) -> int:
+    """A port P with P and P+1 both free: the job binds MASTER_PORT and ddl's store binds
+    MASTER_PORT+1 (unless DDL_PORT says otherwise)."""
+    port = 0
+    for _ in range(attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+            if port < 65535 and port_free(port + 1):
+                return port
+    return port  # the check of the chosen ports will name the one that is taken
 
 
-def probe(port: int | None = None, iface: str | None = None) -> dict:
+def probe(ports: Sequence[int] = (), iface: str | None = None) -> dict:
     """Facts about this host, as a JSON-able dict."""
     try:
         cores = len(os.sched_getaffinity(0))
@@ -88,12 +97,8 @@ def probe(port: int | None = None, iface: str | None = None) -> dict:
         "iface": iface,
         "address": interface_address(iface) if iface else None,
     }
-    if port:
-        facts["port"] = port
-        facts["port_free"] = port_free(port)
-    else:
-        facts["port"] = pick_free_port()
-        facts["port_free"] = True
+    facts["ports"] = {str(p): port_free(p) for p in ports}
+    facts["free_port"] = pick_free_pair()
     return facts
 
 
@@ -104,7 +109,7 @@ def facts_from_probe(d: Mapping) -> HostFacts:
         address=d.get("address"),
         hostname=str(d.get("hostname", "")),
         versions=tuple(sorted((str(k), str(v)) for k, v in dict(d.get("versions", {})).items())),
-        free_port=int(d["port"]) if d.get("port_free") else None,
+        free_port=int(d["free_port"]) if d.get("free_port") else None,
     )
 
 
@@ -163,8 +168,13 @@ def version_table(results: Sequence[ProbeResult]) -> str:
                      for row in rows)
 
 
-def check(results: Sequence[ProbeResult], iface: str | None = None) -> list[str]:
-    """Problems, one line each (empty: all good). The first host holds the master port."""
+def check(
+    results: Sequence[ProbeResult],
+    iface: str | None = None,
+    port_names: Mapping[int, str] | None = None,
+) -> list[str]:
+    """Problems, one line each (empty: all good). The first host binds the job's ports;
+    ``port_names`` says what each checked port is for."""
     problems = [r.error for r in results if r.error]
     ok = [r for r in results if r.data is not None]
     for key in VERSION_KEYS:
@@ -180,7 +190,10 @@ def check(results: Sequence[ProbeResult], iface: str | None = None) -> list[str]
             if not r.data.get("address"):
                 problems.append(f"{r.host}: network interface {iface!r} not found or has no "
                                 "IPv4 address (check --network-interface; `ip addr` lists them)")
-    if results and results[0].data is not None and not results[0].data.get("port_free", True):
-        problems.append(f"{results[0].host}: master port {results[0].data.get('port')} is in "
-                        "use; choose another with --master-port")
+    if results and results[0].data is not None:
+        for port, free in sorted(dict(results[0].data.get("ports", {})).items()):
+            if not free:
+                what = (port_names or {}).get(int(port), f"port {port}")
+                problems.append(f"{results[0].host}: {what} is in use; choose another "
+                                "--master-port (or DDL_PORT for the store)")
     return problems

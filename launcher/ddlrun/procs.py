@@ -4,8 +4,13 @@ Every child runs in its own session (process group), so closing signals the whol
 the child may have forked. ``close`` sends SIGTERM (or the given signal) to every group,
 waits until one monotonic deadline, then SIGKILLs what is left. On Linux children also get
 ``PR_SET_PDEATHSIG=SIGKILL``, so they die if their supervisor is killed outright.
-Exits are reported through a callback with their monotonic timestamp, so the first failure
-can be told apart from the ones the teardown caused.
+Exits are reported through a callback with their monotonic timestamp as soon as the
+process is reaped, not after its output ends: a child it forked may hold the pipes open
+for long, and the earliest exit (the cause) must not be reported after its consequences.
+``wait_output`` then waits, bounded, for the rest of a process's output.
+
+``stuck_in_session`` reads ``/proc`` for a stopped process (state ``T`` or ``t``) in a
+child's session: a rank that cannot run never exits, so only its state can name it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from .output import LineSplitter
+from .output import MAX_LINE, LineSplitter
+
+# /proc/PID/stat states of a process that cannot run until somebody else acts
+STUCK_STATES = {"T": "stopped (state T, SIGSTOP?)", "t": "stopped by a debugger (state t)"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,7 @@ class ProcSpec:
     env: Mapping[str, str]
     cwd: str | None = None
     stdin_pipe: bool = False
+    max_line: int | None = MAX_LINE  # None: lines are protocol messages, never cut
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,7 @@ class Exit:
 
 OnLine = Callable[[int, str, str], None]
 OnExit = Callable[[Exit], None]
+OnEof = Callable[[int], None]
 
 
 def _pdeathsig() -> None:  # runs in the child between fork and exec
@@ -59,13 +69,17 @@ class ProcessSet:
         on_line: OnLine,
         on_exit: OnExit,
         clock: Callable[[], float] = time.monotonic,
+        on_eof: OnEof | None = None,
     ) -> None:
         self._on_line = on_line
         self._on_exit = on_exit
+        self._on_eof = on_eof
         self._clock = clock
         self.procs: dict[int, subprocess.Popen] = {}
         self.codes: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
+        self._readers: dict[int, list[threading.Thread]] = {}
+        self._open_streams: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stdin_lock = threading.Lock()
 
@@ -83,11 +97,12 @@ class ProcessSet:
                 preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
             )
             self.procs[spec.key] = proc
-            readers = [
-                self._thread(self._read, spec.key, proc.stdout, "stdout"),
-                self._thread(self._read, spec.key, proc.stderr, "stderr"),
+            self._open_streams[spec.key] = 2
+            self._readers[spec.key] = [
+                self._thread(self._read, spec.key, proc.stdout, "stdout", spec.max_line),
+                self._thread(self._read, spec.key, proc.stderr, "stderr", spec.max_line),
             ]
-            self._thread(self._wait, spec.key, proc, readers)
+            self._thread(self._wait, spec.key, proc)
 
     def _thread(self, target, *args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, daemon=True)
@@ -95,8 +110,8 @@ class ProcessSet:
         self._threads.append(t)
         return t
 
-    def _read(self, key: int, pipe, stream: str) -> None:
-        splitter = LineSplitter()
+    def _read(self, key: int, pipe, stream: str, max_line: int | None) -> None:
+        splitter = LineSplitter(max_line)
         fd = pipe.fileno()
         try:
             while True:
@@ -111,15 +126,35 @@ class ProcessSet:
             for line in splitter.flush():
                 self._on_line(key, stream, line)
             pipe.close()
+            with self._lock:
+                self._open_streams[key] -= 1
+                ended = self._open_streams[key] == 0
+            if ended and self._on_eof is not None:
+                self._on_eof(key)
 
-    def _wait(self, key: int, proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
+    def _wait(self, key: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         when = self._clock()
-        for t in readers:  # deliver the process's last lines before its exit
-            t.join(timeout=2.0)
         with self._lock:
             self.codes[key] = code
         self._on_exit(Exit(key, code, proc.pid, when))
+
+    def wait_output(self, key: int, timeout: float) -> bool:
+        """Wait until a process's stdout and stderr have ended (True) or ``timeout``
+        passed (False: something it forked still holds them)."""
+        deadline = time.monotonic() + timeout
+        for t in self._readers.get(key, ()):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._readers.get(key, ()))
+
+    def stuck(self) -> dict[int, tuple[int, str]]:
+        """Running children (or what they forked) that are stopped: key -> (pid, state)."""
+        found = {}
+        for key in self.running():
+            hit = stuck_in_session(self.procs[key].pid)
+            if hit is not None:
+                found[key] = hit
+        return found
 
     # ------------------------------------------------------------------ poll
     def poll(self) -> dict[int, int | None]:
@@ -160,6 +195,9 @@ class ProcessSet:
         deadline = time.monotonic() + timeout
         if self.running():
             self.signal_all(sig)
+            # a stopped process acts on nothing but SIGKILL until it is continued (a shell's
+            # `kill` of a stopped job does the same)
+            self.signal_all(signal.SIGCONT)
             while self.running() and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.signal_all(signal.SIGKILL)
@@ -170,3 +208,37 @@ class ProcessSet:
             self.close_stdin(key)
         for t in self._threads:
             t.join(timeout=2.0)
+
+
+def _stat_fields(pid: int, proc_dir: str) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name (which may hold spaces and parentheses):
+    state, ppid, pgrp, session, ..."""
+    try:
+        with open(f"{proc_dir}/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.rpartition(")")[2].split()
+
+
+def proc_state(pid: int, proc_dir: str = "/proc") -> str | None:
+    """The state letter of a process (R, S, D, T, t, Z, ...), None when it is gone."""
+    fields = _stat_fields(pid, proc_dir)
+    return fields[0] if fields else None
+
+
+def stuck_in_session(sid: int, proc_dir: str = "/proc") -> tuple[int, str] | None:
+    """(pid, state) of a stopped process in session ``sid``: the child itself first, then
+    what it forked (a wrapper script's python). None when none is stopped."""
+    state = proc_state(sid, proc_dir)
+    if state in STUCK_STATES:
+        return sid, state
+    try:
+        pids = [int(d) for d in os.listdir(proc_dir) if d.isdigit()]
+    except OSError:
+        return None
+    for pid in sorted(pids):
+        fields = _stat_fields(pid, proc_dir)
+        if fields and len(fields) > 3 and fields[3] == str(sid) and fields[0] in STUCK_STATES:
+            return pid, fields[0]
+    return None

@@ -1,10 +1,15 @@
-"""Shared-memory cleanup for a job on one host: ``ddl.engines.segments.cleanup_job``,
-with a fallback of the same naming rule when the ddl core is not importable there."""
+"""Shared-memory cleanup on one host: a job's segments (``ddl.engines.segments.cleanup_job``)
+and the orphans of killed jobs (``ddl.engines.orphans``), with fallbacks for hosts where the
+ddl core is not importable (the same naming rule; the orphan scan is standard library only,
+so it is loaded from its file without the rest of ddl)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
+from types import ModuleType
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
@@ -37,3 +42,44 @@ def _fallback(job_id: str, host_index: int | None, shm_dir: str = "/dev/shm") ->
         except OSError:
             pass
     return sorted(removed)
+
+
+def orphans_module() -> ModuleType | None:
+    """``ddl.engines.orphans``; when ``import ddl`` fails here (numpy missing, a broken
+    install) the same file loaded on its own; None when ddl is not installed at all."""
+    try:
+        from ddl.engines import orphans
+    except ImportError:
+        pass
+    else:
+        return orphans
+    try:
+        spec = importlib.util.find_spec("ddl")  # finds the package without running it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "engines", "orphans.py")
+    file_spec = importlib.util.spec_from_file_location("_ddlrun_orphans", path)
+    if file_spec is None or file_spec.loader is None or not os.path.exists(path):
+        return None
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[file_spec.name] = module  # dataclasses look their module up there
+    file_spec.loader.exec_module(module)
+    return module
+
+
+def sweep_orphans() -> list[tuple[str, int]]:
+    """Remove this user's orphaned segments on this host: (name, bytes) of each removed.
+    Never fails: a sweep that cannot run must not stop a job from starting."""
+    orphans = orphans_module()
+    if orphans is None:
+        return []
+    try:
+        return [(o.name, o.size) for o in orphans.remove(orphans.scan())]
+    except OSError:
+        return []
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"

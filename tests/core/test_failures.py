@@ -96,10 +96,20 @@ def test_small_dev_shm_fails_with_a_message_naming_the_fix():
     assert not os.path.exists("/dev/shm/ddl-toolarge-h0-ctl")
 
 
-def test_two_jobs_with_one_id_are_refused(tmp_path):
-    """A second job that reuses a running job's id gets a clear error, not corruption."""
+def test_init_gives_up_on_a_peer_that_never_attaches():
+    """(Two jobs with one id are refused in test_job_isolation.py.)"""
+    t = time.monotonic()
     results = run_worker("hold.py", 1, env=dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                                                 DDL_INIT_TIMEOUT="2"))
     r = results[0]
-    assert r.returncode != 0
-    assert "did not attach" in r.stderr
+    assert r.returncode == 1
+    assert "DDLTimeoutError" in r.stderr and "local rank 1 did not attach" in r.stderr
+    assert time.monotonic() - t < 15
+
+
+def test_init_waits_as_long_as_ddl_timeout_when_no_init_timeout_is_given():
+    t = time.monotonic()
+    r = run_worker("hold.py", 1, env=dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                          DDL_TIMEOUT="1.5"))[0]
+    assert r.returncode == 1 and "within 1.5s" in r.stderr, r.stderr
+    assert time.monotonic() - t < 12

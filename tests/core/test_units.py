@@ -68,9 +68,35 @@ def test_world_from_env():
         3, 4, 1, 2, 1, 2)
     alone = topology.world_from_env({})
     assert (alone.rank, alone.size, alone.local_size) == (0, 1, 1)
-    a = topology.world_from_env({"WORLD_SIZE": "2", "MASTER_PORT": "1234"})
-    b = topology.world_from_env({"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "1234"})
-    assert a.job_id == b.job_id != topology.world_from_env({"WORLD_SIZE": "2"}).job_id
+    # Started by hand: no id yet (ddl.init agrees a random one through the rendezvous).
+    assert topology.world_from_env({"WORLD_SIZE": "2", "MASTER_PORT": "1234"}).job_id == ""
+
+
+def test_job_id_from_the_process_manager_is_per_job():
+    def world(ns, rank):
+        return topology.world_from_env({"OMPI_COMM_WORLD_SIZE": "2",
+                                        "OMPI_COMM_WORLD_RANK": str(rank),
+                                        "PMIX_NAMESPACE": ns})
+
+    a0, a1, b0 = world("prterun-h-101@1", 0), world("prterun-h-101@1", 1), world(
+        "prterun-h-202@1", 0)
+    assert a0.job_id == a1.job_id != b0.job_id
+    assert a0.job_id.startswith("pm") and a0.launched_by_mpi
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
+             "SLURM_NTASKS": "2"}
+    assert topology.world_from_env(slurm).job_id == topology.world_from_env(
+        dict(slurm, SLURM_PROCID="0")).job_id != ""
+    # Ranks started by hand inside an mpirun task inherit its variables but are another job.
+    assert world("prterun-h-101@1", 0).job_id != topology.world_from_env(
+        {"PMIX_NAMESPACE": "prterun-h-101@1", "RANK": "0", "WORLD_SIZE": "2"}).job_id
+
+
+def test_segment_token_depends_on_the_secret():
+    from ddl import identity
+
+    assert identity.segment_token("j", b"s1") != identity.segment_token("j", b"s2")
+    assert identity.segment_token("j", None) != identity.segment_token("k", None)
+    assert 0 < identity.segment_token("j", b"s1") < 1 << 63
 
 
 @pytest.mark.parametrize("env,msg", [
@@ -192,3 +218,17 @@ def test_pieces_read_and_write_as_their_concatenation():
     assert np.array_equal(flat, whole)
     with pytest.raises(TypeError):
         copy_flat(flat, p)
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 2000ms for recv operation", "timeout"),
+    ("Wait timeout for key ddl/x after 2000 ms", "timeout"),
+    ("Connection closed by peer [127.0.0.1]:1234", "peer"),
+])
+def test_torch_errors_are_classified_case_insensitively(text, kind):
+    from ddl.engines.torch_pg import classify
+    from ddl.errors import DDLPeerError, DDLTimeoutError
+
+    err = classify(RuntimeError(text + "\nmore"), "rank 1: allreduce on g failed")
+    assert isinstance(err, DDLTimeoutError if kind == "timeout" else DDLPeerError)
+    assert str(err) == "rank 1: allreduce on g failed: " + text

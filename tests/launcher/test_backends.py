@@ -29,8 +29,9 @@ def test_ssh_command_is_argv_with_options_and_end_of_options():
     assert cmd[cmd.index("-p") + 1] == "2222" and cmd[cmd.index("-i") + 1] == "/k/id"
     assert cmd[cmd.index("-F") + 1] == "/k/cfg" and cmd[cmd.index("-l") + 1] == "alice"
     assert shlex.split(cmd[-1]) == ["/opt/py/bin/python", "-m", "ddlrun.agent"]
-    probe = b.probe_cmd(HostSpec("node1"), 29500, "eth0")
-    assert shlex.split(probe[-1])[-5:] == ["--probe", "--port", "29500", "--iface", "eth0"]
+    probe = b.probe_cmd(HostSpec("node1"), (29500, 29501), "eth0")
+    assert shlex.split(probe[-1])[-7:] == ["--probe", "--port", "29500", "--port", "29501",
+                                           "--iface", "eth0"]
 
 
 def test_ssh_spec_carries_argv_and_env_not_the_command_line():

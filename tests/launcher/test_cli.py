@@ -1,6 +1,7 @@
 """The command line: parsing, validation, --dry-run; nothing is started on bad input."""
 
 import json
+import os
 
 import pytest
 from ddlrun_testlib import PY, WORKER, run_ddlrun
@@ -109,3 +110,84 @@ def test_env_contract_local(marker):
         assert e["DDL_HOSTS"] == "localhost" and e["CUDA_VISIBLE_DEVICES"] is None
         assert int(e["OMP_NUM_THREADS"]) >= 1
         assert e["FROM_X"] == "inherited" and e["FROM_X_VAL"] == "v"
+
+
+# ---------------------------------------------------------------------------- job secret
+def test_job_secret_is_new_per_job_unless_the_user_has_one():
+    from ddlrun.cli import job_secret_env
+
+    req = cfg("-n", "2", "p").request
+    a, b = job_secret_env(req, {}), job_secret_env(req, {})
+    assert set(a) == {"DDL_JOB_SECRET"} and len(a["DDL_JOB_SECRET"]) >= 32
+    assert a != b
+    assert job_secret_env(req, {"DDL_JOB_SECRET": "mine"}) == {"DDL_JOB_SECRET": "mine"}
+    assert job_secret_env(req, {"DDL_JOB_SECRET_FILE": "/run/s"}) == {
+        "DDL_JOB_SECRET_FILE": "/run/s"}
+    assert job_secret_env(cfg("-x", "DDL_JOB_SECRET=x", "p").request, {}) == {}  # -x wins
+    assert job_secret_env(req, {}, draw=lambda: "drawn") == {"DDL_JOB_SECRET": "drawn"}
+
+
+def test_secret_is_masked_in_dry_run_and_verbose_and_never_in_commands():
+    for launcher in ("ssh", "mpirun"):
+        res = run_ddlrun("--dry-run", "-v", "--launcher", launcher, "-H", "nodeA:1,nodeB:1",
+                         "true", env={**os.environ, "DDL_JOB_SECRET": "hunter2-secret"})
+        assert res.returncode == 0, res.stderr
+        assert "DDL_JOB_SECRET=<secret>" in res.stdout
+        assert "hunter2-secret" not in res.stdout + res.stderr
+    assert "-x DDL_JOB_SECRET" in res.stdout  # mpirun exports it by name only
+    res = run_ddlrun("--dry-run", "-n", "2", "true")
+    assert "DDL_JOB_SECRET=<secret>" in res.stdout
+
+
+def test_secret_reaches_local_ranks_and_no_command_line(marker):
+    res = run_ddlrun("-n", "2", PY, WORKER, "env", marker)
+    assert res.returncode == 0, res.stderr
+    envs = [json.loads(ln.split(" ", 1)[1]) for ln in res.stdout.splitlines()]
+    secrets_seen = {e["DDL_JOB_SECRET"] for e in envs}
+    assert len(secrets_seen) == 1 and len(secrets_seen.pop()) >= 32  # one per job, all ranks
+    assert not any(e["secret_in_argv"] for e in envs)  # neither the rank's nor ddlrun's argv
+    res = run_ddlrun("-n", "1", PY, WORKER, "env", marker,
+                     env={**os.environ, "DDL_JOB_SECRET_FILE": "/run/their-file"})
+    env = json.loads(res.stdout.split(" ", 1)[1])
+    assert env["DDL_JOB_SECRET"] is None and env["DDL_JOB_SECRET_FILE"] == "/run/their-file"
+
+
+def test_mpirun_command_carries_the_secret_by_name_only():
+    from ddlrun.backends import LaunchOptions, get_backend
+    from ddlrun.hosts import HostSpec
+    from ddlrun.plan import Request, make_plan
+
+    plan = make_plan(Request(("p",), (HostSpec("a", 1), HostSpec("b", 1))), {}, "j", 29500, {},
+                     {"DDL_JOB_SECRET": "s3cr3t-value"})
+    backend = get_backend("mpirun", LaunchOptions())
+    cmd = backend.get_cmd(plan)
+    assert "s3cr3t-value" not in " ".join(cmd)
+    assert cmd[cmd.index("DDL_JOB_SECRET") - 1] == "-x"
+    assert backend.job_env(plan)["DDL_JOB_SECRET"] == "s3cr3t-value"  # mpirun's own env
+
+
+# ---------------------------------------------------------------------------- ports
+def test_preflight_checks_the_ports_the_job_binds_and_names_the_taken_one():
+    import socket
+
+    from ddlrun.cli import job_ports
+    from ddlrun.preflight import ProbeResult, check, pick_free_pair, port_free, probe
+
+    c = cfg("-n", "2", "p")
+    assert list(job_ports(c, 29500, {})) == [29500, 29501]
+    assert list(job_ports(c, 29500, {"DDL_PORT": "31000"})) == [29500, 31000]  # inherited
+    assert list(job_ports(cfg("-H", "a,b", "p"), 29500, {"DDL_PORT": "31000"})) == [29500,
+                                                                                    29501]
+    assert list(job_ports(cfg("-H", "a,b", "-x", "DDL_PORT=31000", "p"), None, {})) == [31000]
+    assert job_ports(c, None, {}) == {}
+    for _ in range(5):
+        p = pick_free_pair()
+        assert port_free(p) and port_free(p + 1)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        names = job_ports(c, taken - 1, {})
+        problems = check([ProbeResult("h0", probe(list(names)), None)], None, names)
+    assert (f"h0: ddl's store port {taken} (DDL_PORT, default MASTER_PORT+1) is in use; choose "
+            "another --master-port (or DDL_PORT for the store)") in problems

@@ -1,9 +1,15 @@
 """Cross-host engine on Gloo, through torch's ProcessGroupGloo.
 
-Groups are made directly from one job-wide TCPStore (on rank 0 at MASTER_ADDR:DDL_PORT),
-never through ``torch.distributed.init_process_group``: the user's own default process group
-(DDP on gloo or nccl) stays theirs. ``GLOO_SOCKET_IFNAME`` (set by ``ddlrun
---network-interface``) picks the interface.
+Groups are made directly from ddl's job-wide rendezvous (``ddl.rendezvous``: on rank 0 at
+MASTER_ADDR:DDL_PORT, serving only ranks that prove the job's secret), never through
+``torch.distributed.init_process_group``: the user's own default process group (DDP on gloo
+or nccl) stays theirs. ``GLOO_SOCKET_IFNAME`` (set by ``ddlrun --network-interface``) picks
+the interface. Gloo's own data connections, which the members open to one another after
+meeting in the store, are not authenticated (as in torch).
+
+Every group is made after its members have checked in (``ddl/<name>/here/<i>``) within the
+creation timeout, so a member that never comes is named in a DDLTimeoutError instead of
+surfacing as Gloo's error about a store key.
 
 A group offers point-to-point exchange of raw bytes (used by ddl's own ring and
 halving-doubling algorithms, which reduce with ddl's kernel and so handle every dtype) and
@@ -13,12 +19,15 @@ Gloo's native collectives.
 from __future__ import annotations
 
 import datetime
+import time
 
 import numpy as np
 
+from .. import rendezvous as rendezvous_mod
 from ..dtypes import DType
-from ..errors import DDLConfigError, DDLError, DDLTimeoutError
+from ..errors import DDLConfigError, DDLError, DDLPeerError, DDLTimeoutError
 from ..ops import ReduceOp
+from ..rendezvous import Rendezvous
 from .torch_pg import PGCaller
 
 _NATIVE_DTYPES = {"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
@@ -37,48 +46,66 @@ def _torch():
 
 
 class GlooContext:
-    """The job-wide rendezvous every Gloo group of ddl is made from."""
+    """The job-wide rendezvous every Gloo group of ddl is made from: ``rendezvous`` when the
+    caller has one (it stays the caller's to close), else one joined now."""
 
-    def __init__(self, rank: int, world: int, addr: str, port: int, timeout: float):
-        torch, dist = _torch()
+    def __init__(self, rank: int, world: int, addr: str, port: int, timeout: float, *,
+                 secret: bytes | None = None, rendezvous: Rendezvous | None = None):
+        _torch()  # the install hint, before any connection is made
+        from .torch_store import TorchStore
+
         self.rank = rank
         self.timeout = timeout
-        td = datetime.timedelta(seconds=max(timeout, 1.0))
-        try:
-            self.store = dist.TCPStore(addr, port, world, rank == 0, td)
-        except (RuntimeError, OSError) as exc:
-            hint = "is the port in use? set DDL_PORT" if rank == 0 else (
-                "is rank 0 up and the address reachable? ddlrun --network-interface picks it")
-            raise DDLError(
-                f"rank {rank}: cannot open the ddl rendezvous at {addr}:{port} ({exc}); {hint}"
-            ) from None
+        self._owns = rendezvous is None
+        if rendezvous is None:
+            rendezvous = rendezvous_mod.connect(rank, world, addr, port, secret, timeout)
+        self.rendezvous = rendezvous
+        self.store = TorchStore(rendezvous.client, rendezvous)
 
     def group(self, name: str, members: tuple[int, ...], position: int) -> GlooGroup:
-        """Made by the members only (they meet in the store under ``name``)."""
-        return GlooGroup(self, name, members, position)
+        """Made by the members only (they meet in the store under ``name``) within the
+        context's timeout."""
+        deadline = time.monotonic() + self.timeout
+        self._check_in(name, members, position, self.timeout,
+                       f"gloo group {name} (ranks {list(members)})",
+                       "DDL_TIMEOUT sets the limit")
+        return GlooGroup(self, name, members, position, deadline)
 
     def subgroup(self, name: str, members: tuple[int, ...], position: int,
                  timeout: float) -> GlooGroup:
-        """``group``, after the members have all checked in within ``timeout`` seconds
-        (``ddl.new_group``: a member may never come, and the error should name it)."""
-        _, dist = _torch()
+        """``group`` within ``timeout`` seconds (``ddl.new_group``'s)."""
+        deadline = time.monotonic() + timeout
+        self._check_in(name, members, position, timeout, f"new_group({list(members)})",
+                       "new_group's timeout, DDL_INIT_TIMEOUT by default")
+        return GlooGroup(self, name, members, position, deadline)
+
+    def _check_in(self, name: str, members: tuple[int, ...], position: int, timeout: float,
+                  what: str, knob: str) -> None:
+        client = self.rendezvous.client
         here = [f"ddl/{name}/here/{i}" for i in range(len(members))]
-        self.store.set(here[position], "1")
+        client.set(here[position], b"1")
         try:
-            self.store.wait(here, datetime.timedelta(seconds=timeout))
-        except (RuntimeError, dist.DistError):
-            missing = [members[i] for i, k in enumerate(here) if not self.store.check([k])]
+            client.wait(here, timeout)
+        except DDLTimeoutError:
+            missing = [members[i] for i, k in enumerate(here) if not client.check([k])]
             raise DDLTimeoutError(
-                f"rank {self.rank}: new_group({list(members)}): rank(s) {missing} did not "
-                f"join within {timeout:g}s (new_group's timeout, DDL_INIT_TIMEOUT by default)"
+                f"rank {self.rank}: {what}: rank(s) {missing} did not join within "
+                f"{timeout:g}s ({knob})"
             ) from None
-        return GlooGroup(self, name, members, position)
+
+    def close(self) -> None:
+        """Leave the rendezvous if this context joined it."""
+        if self._owns:
+            self.rendezvous.close()
 
 
 class GlooGroup:
     name = "gloo"
 
-    def __init__(self, ctx: GlooContext, name: str, members: tuple[int, ...], position: int):
+    def __init__(self, ctx: GlooContext, name: str, members: tuple[int, ...], position: int,
+                 deadline: float):
+        """Made once every member has checked in; waits for them until ``deadline`` (a
+        ``time.monotonic()`` value) at most."""
         torch, dist = _torch()
         self._torch = torch
         self._dist = dist
@@ -88,11 +115,27 @@ class GlooGroup:
         self.global_rank = members[position]
         self.label = name
         self.timeout = ctx.timeout
-        store = dist.PrefixStore(f"ddl/{name}/", ctx.store)
+        where = f"gloo group {name} (ranks {list(members)})"
+        # Every member has checked in: what is left to wait for is a member that stopped
+        # since, and the deadline keeps that wait within the creation timeout (torch's own
+        # timeout here is also every collective's). The floor leaves the last member to
+        # check in, just before the deadline, the round trips it needs.
+        budget = max(deadline - time.monotonic(), 1.0)
+        store = dist.PrefixStore(f"ddl/{name}/", ctx.store.with_deadline(budget))
         td = datetime.timedelta(seconds=max(ctx.timeout, 1.0))
-        self._calls = PGCaller(dist.ProcessGroupGloo(store, position, self.size, td),
-                               self.global_rank,
-                               f"gloo group {name} (ranks {list(members)})")
+        try:
+            pg = dist.ProcessGroupGloo(store, position, self.size, td)
+        except DDLTimeoutError as exc:
+            raise DDLTimeoutError(
+                f"rank {self.global_rank}: {where}: a member stopped after checking in, while "
+                f"the group was made: {exc}"
+            ) from None
+        except RuntimeError as exc:
+            if isinstance(exc, DDLError):
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            raise DDLPeerError(f"rank {self.global_rank}: cannot make {where}: {first}") from None
+        self._calls = PGCaller(pg, self.global_rank, where)
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
             ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,

@@ -17,8 +17,10 @@ from ..algorithms.dims import GroupDim, ShmDim
 from ..algorithms.multidim import MultiDim
 from ..dtypes import BY_NAME, DType
 from ..errors import DDLError
+from ..identity import job_secret
 from ..ops import ReduceOp
 from ..options import Options
+from ..rendezvous import Rendezvous
 from ..tensors import Pieces, copy_flat
 from ..topology import World
 from .gloo import GlooContext
@@ -108,7 +110,11 @@ class DimsEngine:
 
 class MultiHostEngine(DimsEngine):
     def __init__(self, world: World, opts: Options, *, transport: str, addr: str, port: int,
-                 timeout: float, chunk_bytes: int, shm_kwargs: dict):
+                 timeout: float, chunk_bytes: int, shm_kwargs: dict,
+                 secret: bytes | None = None, rendezvous: Rendezvous | None = None):
+        """``rendezvous``: the job's, when init joined it already (it stays init's to
+        close); else one is joined at ``addr:port`` with ``secret`` (default: the job's,
+        from DDL_JOB_SECRET / DDL_JOB_SECRET_FILE)."""
         self.world = world
         self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
         if transport == "mpi":
@@ -116,7 +122,10 @@ class MultiHostEngine(DimsEngine):
 
             self.ctx = MPIContext()
         else:
-            self.ctx = GlooContext(world.rank, world.size, addr, port, timeout)
+            if rendezvous is None and secret is None:
+                secret = job_secret()
+            self.ctx = GlooContext(world.rank, world.size, addr, port, timeout, secret=secret,
+                                   rendezvous=rendezvous)
         if shm_kwargs.get("wait_policy", "auto") == "auto":
             # The dimensions across hosts run beside this one in their own threads (network
             # I/O and reductions): a spinning waiter would take the cores they need. Measured

@@ -6,8 +6,10 @@ share /dev/shm, so two "hosts" of a test job must not collide.
 
 Segments are created with O_EXCL and mode 0600 through ``os.open`` rather than
 ``multiprocessing.shared_memory``: on Python 3.11 an unrelated process's resource tracker
-may unlink a SharedMemory it has seen. ``cleanup_job`` is what the launcher (or a person)
-calls after a crash.
+may unlink a SharedMemory it has seen. Names are predictable, so anybody could plant a file
+under one first: a segment is opened only when it is a regular file (not a link) owned by
+our uid with mode 0600, and every header carries the job's token (engines/shm.py).
+``cleanup_job`` is what the launcher (or a person) calls after a crash.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import errno
 import mmap
 import os
 import re
+import stat
 
 from ..errors import DDLConfigError, DDLShmError
 
@@ -53,14 +56,41 @@ def _too_small(name: str, size: int) -> DDLShmError:
     )
 
 
+class SegmentExists(DDLShmError, FileExistsError):
+    """A segment of that name is already there (a running job, a crashed one, or a file
+    somebody planted)."""
+
+
+def _owner(st: os.stat_result) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+    except (ImportError, KeyError):
+        return f"uid {st.st_uid}"
+
+
+def _exists(path: str) -> SegmentExists:
+    try:
+        st = os.lstat(path)
+        who = f"owner {_owner(st)}, mode {stat.filemode(st.st_mode)}"
+    except OSError:
+        who = "gone again"
+    return SegmentExists(
+        f"shared memory {path} already exists ({who}): another job uses this job id, or a "
+        "crashed job left it (ddlrun --cleanup removes what no process uses)"
+    )
+
+
 def create(name: str, size: int) -> mmap.mmap:
     """Create a new segment of ``size`` bytes, reserved up front so a small /dev/shm fails
-    here with a clear message instead of SIGBUS on first touch."""
+    here with a clear message instead of SIGBUS on first touch. ``SegmentExists`` if the
+    name is taken."""
     path = _path(name)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        raise
+        raise _exists(path) from None
     except OSError as exc:
         raise DDLShmError(f"cannot create shared memory {path}: {exc}") from exc
     try:
@@ -80,11 +110,43 @@ def create(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def check_owned(path: str, st: os.stat_result) -> None:
+    """Refuse a segment that is not a regular file of ours with mode 0600: a file planted
+    under a predictable name by another user must never be joined."""
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to {_owner(st)}, not to this job's user (uid {os.geteuid()})"
+    elif stat.S_IMODE(st.st_mode) != 0o600:
+        problem = f"has mode {stat.filemode(st.st_mode)}, not -rw-------"
+    if problem:
+        raise DDLShmError(
+            f"refusing shared memory {path}: it {problem}. ddl makes its segments 0600 for "
+            "its own user only; somebody else made this one. Remove it (as its owner or "
+            "root) and give the job a fresh id"
+        )
+
+
 def open_existing(name: str) -> mmap.mmap:
-    """Map a segment another process created; FileNotFoundError if it is not there yet."""
-    fd = os.open(_path(name), os.O_RDWR)
+    """Map a segment another process of this job created; FileNotFoundError if it is not
+    there yet, DDLShmError if it is not ours (see ``check_owned``)."""
+    path = _path(name)
     try:
-        size = os.fstat(fd).st_size
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DDLShmError(f"refusing shared memory {path}: it is a symbolic link") from None
+        if exc.errno == errno.EACCES:
+            try:
+                check_owned(path, os.lstat(path))
+            except FileNotFoundError:
+                raise exc from None
+        raise
+    try:
+        st = os.fstat(fd)
+        check_owned(path, st)
+        size = st.st_size
         if size == 0:
             # Created but not yet sized by its owner: treat as not there yet.
             raise FileNotFoundError(errno.ENOENT, "segment not ready", name)

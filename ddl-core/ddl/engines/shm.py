@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import identity
 from ..dtypes import DType
 from ..errors import (
     DDLConfigError,
@@ -57,12 +58,12 @@ from . import segments
 from .heap import Heap, PeerHeaps
 
 _MAGIC = 0x4C44445F4D485344  # "DSHM_DDL"
-_LAYOUT = 1
+_LAYOUT = 2
 _HDR = 4096
 _BLOCK = 512
 _W = _BLOCK // 8  # words per control block
 # header words
-H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY = range(6)
+H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY, H_TOKEN = range(7)
 # control-block words
 W_SEQ, W_PID, W_STATE, W_GRANK, W_SLEEP = 0, 1, 2, 3, 4
 W_META = (16, 32)  # metadata record per parity, 16 words each
@@ -222,7 +223,7 @@ class ShmEngine:
         local_size: int,
         global_rank: int,
         timeout: float = 30.0,
-        init_timeout: float = 60.0,
+        init_timeout: float = 30.0,
         slot_bytes: int = 4 << 20,
         max_bytes: int = 32 << 20,
         small_bytes: int = 64 << 10,
@@ -231,6 +232,7 @@ class ShmEngine:
         block_bytes: int = 256 << 10,
         fences: bool | None = None,
         scope: str = "",
+        token: int | None = None,
     ):
         if not 0 <= local_rank < local_size:
             raise DDLConfigError(f"local rank {local_rank} is outside 0..{local_size - 1}")
@@ -240,6 +242,9 @@ class ShmEngine:
         self.size = n = local_size
         self.global_rank = global_rank
         self.timeout = float(timeout)
+        # marks the segment as this job's: a rank never joins a segment of another job
+        self._token = token if token is not None else identity.segment_token(
+            job_id, identity.job_secret())
         slot = min(slot_bytes, max_bytes // (2 * n))
         slot = slot // 4096 * 4096
         if slot < 64 << 10:
@@ -313,6 +318,7 @@ class ShmEngine:
             q = memoryview(mm)[:_HDR].cast("q")
             q[H_LAYOUT], q[H_SIZE], q[H_SLOT] = _LAYOUT, self.size, self.slot_bytes
             q[H_PID] = os.getpid()
+            q[H_TOKEN] = self._token
             q[H_MAGIC] = _MAGIC
             q[H_READY] = 1
             q.release()
@@ -323,6 +329,15 @@ class ShmEngine:
                 mm = segments.open_existing(self._name)
                 q = memoryview(mm)[:_HDR].cast("q")
                 ok = q[H_READY] == 1 and q[H_MAGIC] == _MAGIC and _pid_alive(q[H_PID])
+                if ok and q[H_TOKEN] != self._token:
+                    pid = q[H_PID]
+                    q.release()
+                    raise DDLShmError(
+                        f"rank {self.global_rank}: {segments.SHM_DIR}/{self._name} belongs to "
+                        f"another job (its creator, pid {pid}, has a different job secret): "
+                        f"two jobs share job id {self.job_id!r}; give each its own DDL_JOB_ID "
+                        "(ddlrun does)"
+                    )
                 if ok:
                     got = (q[H_LAYOUT], q[H_SIZE], q[H_SLOT])
                     if got != (_LAYOUT, self.size, self.slot_bytes):
@@ -366,6 +381,13 @@ class ShmEngine:
 
     def _attach(self, init_timeout: float) -> None:
         q, b = self._q, self._my
+        other = q[b + W_PID]
+        if q[b + W_STATE] != S_NONE and other != os.getpid() and _pid_alive(other):
+            raise DDLShmError(
+                f"rank {self.global_rank}: local rank {self.rank} of {self._name} is already "
+                f"taken by pid {other}: two processes claim one rank (two jobs with one "
+                "DDL_JOB_ID, or LOCAL_RANK given twice)"
+            )
         q[b + W_PID] = os.getpid()
         q[b + W_GRANK] = self.global_rank
         q[b + W_SEQ] = 0

@@ -19,6 +19,16 @@ from typing import Any
 from ..errors import DDLPeerError, DDLTimeoutError
 
 
+def classify(error: BaseException, context: str) -> DDLTimeoutError | DDLPeerError:
+    """A torch/Gloo/NCCL error as ddl's: a timeout ("Timed out waiting ... for recv",
+    "timeout", DistStoreError's "wait timeout") or a lost peer (everything else)."""
+    text = str(error)
+    low = text.lower()
+    cls = DDLTimeoutError if "timed out" in low or "timeout" in low else DDLPeerError
+    first = text.splitlines()[0] if text else repr(error)
+    return cls(f"{context}: {first}")
+
+
 class PGCaller:
     """Owns ``pg`` (its only reference, so ``close()`` destroys it) and runs operations on
     it; ``where`` names the group in error messages."""
@@ -47,10 +57,7 @@ class PGCaller:
             except RuntimeError as exc:
                 error = error or exc
         if error is not None:
-            text = str(error)
-            cls = DDLTimeoutError if "imeout" in text or "timed out" in text else DDLPeerError
-            first = text.splitlines()[0] if text else repr(error)
-            raise cls(f"rank {self.rank}: {what} on {self.where} failed: {first}") from None
+            raise classify(error, f"rank {self.rank}: {what} on {self.where} failed") from error
 
     def close(self) -> None:
         """Destroy the group (its threads joined). Safe to call more than once."""

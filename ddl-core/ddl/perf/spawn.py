@@ -5,6 +5,7 @@ through ddlrun."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,37 @@ class RankResult:
     stderr: str
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(avoid: Sequence[int] = ()) -> int:
+    """A port P with P and P + 1 both free (torch's MASTER_PORT and ddl's store at
+    MASTER_PORT + 1), taken below the ephemeral range: a port the kernel handed out would
+    soon be some connection's source port, and P + 1 could be anybody's. ``avoid``: ports
+    already given to another job of this run."""
+    top = _ephemeral_low() - 2
+    rng = random.Random()
+    for _ in range(500):
+        p = rng.randrange(max(1024, top - 12000), top)
+        if any(abs(p - q) <= 1 for q in avoid):
+            continue
+        if _bindable(p) and _bindable(p + 1):
+            return p
+    raise OSError("no free pair of ports below the ephemeral range")
 
 
 def new_job_id(prefix: str = "job") -> str:

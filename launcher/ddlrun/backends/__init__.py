@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..events import Emit
+from ..events import Emit, Stuck
 from ..output import OutputSink
 from ..plan import JobPlan
 
@@ -35,6 +35,9 @@ class LaunchOptions:
 class Backend:
     name = ""
     notes_own_command = False  # prints "running: ..." itself (after writing its files)
+    # seconds the supervisor keeps listening after the first failure it hears of: an exit
+    # that happened earlier may be reported later (another host, a busy output pipe)
+    settle = 0.25
 
     def __init__(self, opts: LaunchOptions) -> None:
         self.opts = opts
@@ -55,6 +58,13 @@ class Backend:
 
     def close(self, timeout: float) -> None:
         raise NotImplementedError
+
+    def stuck(self, timeout: float) -> list[Stuck]:
+        """Ranks still running that are stopped (asked before teardown); none by default."""
+        return []
+
+    def wait_output(self, rank: int, timeout: float) -> None:
+        """Wait, at most ``timeout``, until a rank's output has all arrived."""
 
 
 def check_path(value: str, what: str) -> str:

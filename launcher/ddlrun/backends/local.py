@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..events import Emit, RankExit
+from ..events import Emit, RankExit, Stuck
 from ..output import OutputSink
 from ..plan import JobPlan, RankSpec
 from ..procs import Exit, ProcessSet, ProcSpec
@@ -36,6 +36,17 @@ class LocalBackend(Backend):
             ProcSpec(r.rank, tuple(self.get_cmd(r)), {**base, **r.env_dict()}, self.opts.cwd)
             for r in plan.ranks
         )
+
+    def stuck(self, timeout: float) -> list[Stuck]:
+        if self.procs is None or self.plan is None:
+            return []
+        host_of = {r.rank: r.host_index for r in self.plan.ranks}
+        return [Stuck(rank, host_of[rank], pid, state)
+                for rank, (pid, state) in sorted(self.procs.stuck().items())]
+
+    def wait_output(self, rank: int, timeout: float) -> None:
+        if self.procs is not None:
+            self.procs.wait_output(rank, timeout)
 
     def pids(self) -> dict[int, int]:
         return {k: p.pid for k, p in self.procs.procs.items()} if self.procs else {}

@@ -13,12 +13,14 @@ import os
 import shlex
 import threading
 import time
+from collections.abc import Sequence
 
-from ..events import Emit, HostLost, RankExit
+from ..events import Emit, HostLost, RankExit, Stuck
 from ..hosts import HostSpec
 from ..output import OutputSink
 from ..plan import HostPlan, JobPlan
 from ..procs import Exit, ProcessSet, ProcSpec
+from ..shm import mib
 from . import Backend, check_path
 
 AGENT_MODULE = "ddlrun.agent"
@@ -26,6 +28,9 @@ AGENT_MODULE = "ddlrun.agent"
 
 class AgentBackend(Backend):
     """Start ``python -m ddlrun.agent`` on every host and speak its JSON-lines protocol."""
+
+    # exits of other hosts reach us through ssh, behind their output: listen longer
+    settle = 1.0
 
     def transport(self, host: HostSpec, connect_timeout: float | None = None) -> list[str]:
         raise NotImplementedError
@@ -37,10 +42,10 @@ class AgentBackend(Backend):
     def get_cmd(self, host: HostSpec) -> list[str]:
         return self.transport(host) + self.remote()
 
-    def probe_cmd(self, host: HostSpec, port: int | None, iface: str | None) -> list[str]:
+    def probe_cmd(self, host: HostSpec, ports: Sequence[int], iface: str | None) -> list[str]:
         args = ["--probe"]
-        if port:
-            args += ["--port", str(port)]
+        for port in ports:
+            args += ["--port", str(int(port))]
         if iface:
             args += ["--iface", iface]
         return self.transport(host, self.opts.start_timeout) + self.remote(*args)
@@ -67,10 +72,15 @@ class AgentBackend(Backend):
         self.done: set[int] = set()
         self.last_err: dict[int, str] = {}
         self.rank_pids: dict[int, int] = {}
+        self._changed = threading.Condition(self._lock)
+        self._eof: set[int] = set()
+        self._stuck: dict[int, list[Stuck]] = {}  # host index -> its agent's first answer
         self.procs = ProcessSet(self._on_line, self._on_exit)
         env = dict(os.environ)
+        # the agent cuts its ranks' long lines itself; its own messages must stay whole
         self.procs.start(
-            ProcSpec(h.index, tuple(self.get_cmd(h.host)), env, None, stdin_pipe=True)
+            ProcSpec(h.index, tuple(self.get_cmd(h.host)), env, None, stdin_pipe=True,
+                     max_line=None)
             for h in plan.hosts
         )
         for h in plan.hosts:
@@ -96,7 +106,21 @@ class AgentBackend(Backend):
             rank = int(msg["r"])
             with self._lock:
                 self.exited[host_index].add(rank)
-            self.emit(RankExit(rank, host_index, int(msg["c"]), int(msg["p"]), time.monotonic()))
+            self.emit(RankExit(rank, host_index, int(msg["c"]), int(msg["p"]),
+                               _when(msg.get("w"))))
+        elif kind == "eof":
+            with self._changed:
+                self._eof.add(int(msg["r"]))
+                self._changed.notify_all()
+        elif kind == "stuck":
+            found = [Stuck(int(r), host_index, int(pid), str(state))
+                     for r, (pid, state) in dict(msg.get("s", {})).items()]
+            with self._changed:
+                self._stuck.setdefault(host_index, sorted(found, key=lambda s: s.rank))
+                self._changed.notify_all()
+        elif kind == "swept":
+            self.sink.note(f"{host}: removed {msg.get('n')} orphaned shared-memory segment(s) "
+                           f"of killed jobs ({mib(int(msg.get('bytes', 0)))})")
         elif kind == "started":
             self.rank_pids.update({int(k): int(v) for k, v in msg["pids"].items()})
         elif kind == "error":
@@ -108,12 +132,39 @@ class AgentBackend(Backend):
 
     def _on_exit(self, ex: Exit) -> None:
         hp = self.plan.hosts[ex.key]
-        with self._lock:
+        with self._changed:
             missing = len(hp.ranks) - len(self.exited[ex.key])
+            self._stuck.setdefault(ex.key, [])  # nobody left there to answer
+            self._eof.update(r.rank for r in hp.ranks)
+            self._changed.notify_all()
         if missing > 0:
             why = self.last_err.get(ex.key) or f"connection exited with code {ex.code}"
             self.emit(HostLost(ex.key, ex.code, f"agent on {hp.host.name} ended: {why}",
                                ex.time))
+
+    def stuck(self, timeout: float) -> list[Stuck]:
+        """Ask every agent that has not said yet; an agent answers before its own teardown
+        too (that answer is kept: the teardown continues stopped ranks)."""
+        procs = getattr(self, "procs", None)
+        if procs is None:
+            return []
+        with self._lock:
+            asked = [h.index for h in self.plan.hosts if h.index not in self._stuck]
+        for index in asked:
+            if not procs.write(index, b'{"t":"stuck"}\n'):
+                with self._lock:
+                    self._stuck.setdefault(index, [])
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            self._changed.wait_for(lambda: all(h.index in self._stuck for h in self.plan.hosts),
+                                   max(0.0, deadline - time.monotonic()))
+            return [s for h in self.plan.hosts for s in self._stuck.get(h.index, ())]
+
+    def wait_output(self, rank: int, timeout: float) -> None:
+        if getattr(self, "procs", None) is None:
+            return
+        with self._changed:
+            self._changed.wait_for(lambda: rank in self._eof, timeout)
 
     def close(self, timeout: float) -> None:
         procs = getattr(self, "procs", None)
@@ -127,6 +178,15 @@ class AgentBackend(Backend):
             time.sleep(0.05)
         # Still there: closing stdin (EOF) and then signals make the agents tear down.
         procs.close(timeout=2.0)
+
+
+def _when(wall: float | None) -> float:
+    """An agent's wall-clock exit time on our monotonic clock (hosts' clocks agree to NTP
+    precision; one ahead of ours counts as now, i.e. the time we heard of it)."""
+    now = time.monotonic()
+    if wall is None:
+        return now
+    return now - max(0.0, time.time() - float(wall))
 
 
 class SshBackend(AgentBackend):

@@ -3,6 +3,7 @@ find leftover processes. Never busy-loops."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,14 +11,37 @@ import time
 CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "DDL_OPTIONS", "DDL_JOB_ID", "DDL_HOST_INDEX",
             "DDL_HOSTS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-            "FROM_X", "FROM_X_VAL")
+            "FROM_X", "FROM_X_VAL", "DDL_JOB_SECRET", "DDL_JOB_SECRET_FILE")
+
+
+def secret_in_argv() -> bool:
+    """Whether the job secret shows in this rank's or its parent's (ddlrun's, the agent's)
+    command line, which every user of the host can read."""
+    secret = os.environ.get("DDL_JOB_SECRET", "").encode()
+    for pid in ("self", str(os.getppid())):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if secret and secret in f.read():
+                return True
+    return False
 
 
 def main() -> int:
     mode = sys.argv[1]
     rank = int(os.environ["RANK"])
     if mode == "env":
-        print(json.dumps({k: os.environ.get(k) for k in CONTRACT}), flush=True)
+        env = {k: os.environ.get(k) for k in CONTRACT}
+        env["secret_in_argv"] = secret_in_argv()
+        print(json.dumps(env), flush=True)
+        return 0
+    if mode == "stopfail":  # stopfail <marker> <stopping rank> <failing rank>
+        if rank == int(sys.argv[3]):
+            print("stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif rank == int(sys.argv[4]):
+            time.sleep(1.0)
+            print("timed out waiting for a peer", flush=True)
+            return 1
+        time.sleep(60)
         return 0
     if mode == "fail":  # fail <marker> <rank> <code>
         if rank == int(sys.argv[3]):

@@ -1,0 +1,241 @@
+"""Jobs never mix and nobody outside the job joins it: shared-memory segments are checked
+for owner, mode and the job's token before a rank joins them."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddl.engines import segments
+from ddl.errors import DDLShmError
+from ddl.perf.spawn import free_port, new_job_id
+
+INIT = "import ddl; ddl.init(); print('joined', flush=True); ddl.shutdown()"
+MALLOC = ("import ddl; ddl.init(); a = ddl.malloc(10); a[:] = ddl.rank(); ddl.allreduce_(a); "
+          "print('sum', a[0], flush=True); ddl.shutdown()")
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+
+
+def _rank(code: str, rank: int, size: int, job: str, **env: str) -> subprocess.Popen:
+    e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+             LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+             DDL_JOB_ID=job, DDL_INIT_TIMEOUT="8", PYTHONUNBUFFERED="1", **env)
+    return subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(p: subprocess.Popen, timeout: float = 30) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def _plant(name: str, uid: int, mode: int, payload: bytes) -> str:
+    path = os.path.join(segments.SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(payload)
+    os.chown(path, uid, uid)
+    os.chmod(path, mode)
+    return path
+
+
+def _forged_ctl_header(size: int) -> bytes:
+    # magic, layout, ranks, slot, creator pid (ours: alive), ready, token
+    words = [0x4C44445F4D485344, 2, size, 4 << 20, os.getpid(), 1, 12345]
+    return struct.pack(f"<{len(words)}q", *words).ljust(1 << 20, b"\0")
+
+
+def test_a_second_job_with_the_same_id_is_refused_on_every_path():
+    """Job A runs (rank 0 waits for its peer). Job B reuses A's id with another secret:
+    its rank 1 must refuse A's segment (token), its rank 0 must refuse to replace it."""
+    job = new_job_id("same")
+    a0 = _rank(INIT, 0, 2, job, DDL_JOB_SECRET="secret-a")
+    try:
+        deadline = time.monotonic() + 20
+        while not segments.list_job(job) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        b1 = _rank(INIT, 1, 2, job, DDL_JOB_SECRET="secret-b")
+        code, out, err = _finish(b1)
+        assert code != 0 and "joined" not in out
+        assert "belongs to another job" in err and "DDLShmError" in err, err
+        b0 = _rank(INIT, 0, 2, job, DDL_JOB_SECRET="secret-b")
+        code, out, err = _finish(b0)
+        assert code != 0 and "joined" not in out
+        assert "belongs to a running process" in err, err
+        # A's own rank 1 still joins A: nothing of A was disturbed.
+        a1 = _rank(INIT, 1, 2, job, DDL_JOB_SECRET="secret-a")
+        assert _finish(a1)[0] == 0
+        code, out, err = _finish(a0)
+        assert code == 0 and "joined" in out, err
+    finally:
+        a0.kill()
+        segments.cleanup_job(job)
+
+
+def test_a_rank_claimed_twice_is_refused():
+    job = new_job_id("twice")
+    a0 = _rank(INIT, 0, 3, job)
+    a1 = _rank("import time, ddl; ddl.init(); time.sleep(3); ddl.shutdown()", 1, 3, job)
+    try:
+        time.sleep(1.0)
+        dup = _rank(INIT, 1, 3, job)
+        code, out, err = _finish(dup)
+        assert code != 0 and "already taken by pid" in err, err
+    finally:
+        for p in (a0, a1):
+            p.kill()
+            p.wait()
+        segments.cleanup_job(job)
+
+
+@root_only
+def test_a_segment_planted_by_another_user_is_refused():
+    nobody = pwd.getpwnam("nobody").pw_uid
+    job = new_job_id("plant")
+    name = segments.segment_name(job, 0, "ctl")
+    path = _plant(name, nobody, 0o666, _forged_ctl_header(2))
+    try:
+        with pytest.raises(DDLShmError, match=r"belongs to nobody \(uid \d+\)"):
+            segments.open_existing(name)
+        for rank in (1, 0):  # a joining rank, and the rank that would create it
+            code, out, err = _finish(_rank(INIT, rank, 2, job))
+            assert code != 0 and "joined" not in out
+            assert f"refusing shared memory {path}" in err and "nobody" in err, err
+        assert os.stat(path).st_uid == nobody, "the planted file is left to its owner"
+    finally:
+        os.unlink(path)
+
+
+def test_a_segment_with_a_loose_mode_or_a_link_is_refused(tmp_path):
+    job = new_job_id("mode")
+    name = segments.segment_name(job, 0, "ctl")
+    path = _plant(name, os.geteuid(), 0o644, _forged_ctl_header(2))
+    link = segments.segment_name(job, 0, "heap0-0")
+    os.symlink(str(tmp_path / "target"), os.path.join(segments.SHM_DIR, link))
+    try:
+        with pytest.raises(DDLShmError, match=r"has mode -rw-r--r--, not -rw-------"):
+            segments.open_existing(name)
+        with pytest.raises(DDLShmError, match="symbolic link"):
+            segments.open_existing(link)
+        with pytest.raises(DDLShmError, match="already exists"):
+            segments.create(link, 4096)
+        assert not (tmp_path / "target").exists(), "create must not follow a planted link"
+    finally:
+        os.unlink(path)
+        os.unlink(os.path.join(segments.SHM_DIR, link))
+
+
+@root_only
+def test_a_planted_heap_name_gives_a_clear_error():
+    nobody = pwd.getpwnam("nobody").pw_uid
+    job = new_job_id("heap")
+    heap = segments.segment_name(job, 0, "heap1-0")
+    path = _plant(heap, nobody, 0o666, b"\0" * 4096)
+    ranks = [_rank(MALLOC, r, 2, job) for r in range(2)]
+    try:
+        results = [_finish(p) for p in ranks]
+        code, out, err = results[1]
+        assert code != 0 and "SegmentExists" in err and "already exists" in err, err
+        assert "owner nobody" in err and "ddlrun --cleanup" in err, err
+        assert results[0][0] != 0, "its peer must not go on alone"
+    finally:
+        for p in ranks:
+            p.kill()
+        os.unlink(path)
+        segments.cleanup_job(job)
+
+
+MIX = ("import os, time, numpy as np, ddl; ddl.init(); v = float(os.environ['VAL']); "
+       "a = np.full(1001, v, np.float64); out = [float(ddl.allreduce(a, op=ddl.Sum)[0]) "
+       "for _ in range(10)]; print('RESULT', ddl.api._world.job_id, *out, flush=True); "
+       "time.sleep(float(os.environ.get('HOLD', '0'))); ddl.shutdown()")
+
+
+def _values(out: str) -> tuple[str, set[float]]:
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    _, job, *vals = line.split()
+    return job, {float(v) for v in vals}
+
+
+def _mpirun(val: float) -> subprocess.Popen:
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "MASTER_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return subprocess.Popen([mpirun, "--oversubscribe", "-np", "2", "-x", f"VAL={val}",
+                             sys.executable, "-c", MIX], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _by_hand(val: float, port: int, secret: str | None = None,
+             hold: float = 0) -> list[subprocess.Popen]:
+    """Two ranks with only the torchrun variables: no job id from anybody."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "MASTER_"))}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VAL=str(val),
+               DDL_INIT_TIMEOUT="20", PYTHONUNBUFFERED="1", HOLD=str(hold))
+    if secret:
+        env["DDL_JOB_SECRET"] = secret
+    return [subprocess.Popen([sys.executable, "-c", MIX], env=dict(env, RANK=str(r)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_concurrent_mpirun_jobs_never_mix():
+    """Plain ``mpirun -np 2`` twice at the same moment: each job gets the id of its own
+    PMIx namespace. 50 pairs: zero mixed results, zero errors."""
+    pytest.importorskip("mpi4py")
+    ids = set()
+    for _ in range(50):
+        jobs = {1.0: _mpirun(1.0), 100.0: _mpirun(100.0)}
+        for val, p in jobs.items():
+            code, out, err = _finish(p, 60)
+            assert code == 0, err[-3000:]
+            for line in out.splitlines():
+                job, vals = _values(line)
+                assert vals == {2 * val}, f"mixed result {vals} in a job of value {val}"
+                ids.add(job)
+    assert len(ids) == 100, "every job has an id of its own"
+
+
+@pytest.mark.slow
+def test_concurrent_hand_started_jobs_never_mix():
+    """Two jobs started by hand (torchrun variables only) at the same moment, 50 times:
+    the ranks agree a random job id through the rendezvous: zero mixed results."""
+    ids = set()
+    for _ in range(50):
+        port = free_port()
+        jobs = {1.0: _by_hand(1.0, port), 100.0: _by_hand(100.0, free_port(avoid=[port]))}
+        for val, ranks in jobs.items():
+            seen = set()
+            for p in ranks:
+                code, out, err = _finish(p, 60)
+                assert code == 0, err[-3000:]
+                job, vals = _values(out)
+                assert vals == {2 * val}, f"mixed result {vals} in a job of value {val}"
+                seen.add(job)
+            assert len(seen) == 1
+            ids |= seen
+    assert len(ids) == 100
+
+
+def test_a_second_job_on_the_same_port_fails_and_the_first_is_untouched():
+    """Same MASTER_ADDR:MASTER_PORT, each job with its own secret: the second job's rank 0
+    cannot bind the rendezvous, its rank 1 cannot prove the first job's secret; the first
+    job's result is right."""
+    port = free_port()
+    first = _by_hand(1.0, port, "secret-one", hold=8)
+    time.sleep(1.5)  # the first job's rendezvous is up
+    second = _by_hand(100.0, port, "secret-two")
+    results = [_finish(p, 60) for p in first]
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+        assert _values(out)[1] == {2.0}
+    for code, out, err in (_finish(p, 60) for p in second):
+        assert code != 0 and "RESULT" not in out
+        assert "in use" in err or "secret" in err, err[-3000:]
