@@ -21,14 +21,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
 import secrets as _secrets
 from collections.abc import Mapping
 
 from . import config
 from .errors import DDLConfigError
-
-_SAFE = re.compile(r"[^A-Za-z0-9_.]")
 
 
 def job_secret(env: Mapping[str, str] | None = None) -> bytes | None:
@@ -84,11 +81,6 @@ def segment_token(job_id: str, secret: bytes | None) -> int:
     key = secret if secret else b"ddl-no-secret"
     mac = hmac.new(key, f"ddl-segment:{job_id}".encode(), hashlib.sha256).digest()
     return int.from_bytes(mac[:8], "little") & ((1 << 63) - 1) or 1
-
-
-def sanitize(text: str) -> str:
-    """``text`` made usable as (part of) a job id."""
-    return _SAFE.sub("_", text)[:64]
 
 
 def agree_job_id(client, rank: int, size: int, timeout: float, where: str) -> str:
