@@ -1,24 +1,153 @@
-"""User docs stay in step with the code."""
+"""User docs stay in step with the code: every environment variable and public function is
+documented (as a whole name, in code), and every ```python sample in README.md and docs/*.md
+runs.
+
+How a sample runs: one that imports ddl runs as 2 ranks, ``python -m ddlrun -n 2 python
+sample.py``; any other as ``python sample.py``; each must exit 0. A sample preceded by an
+HTML comment ``<!-- no-run: why -->`` is skipped with that reason (a fragment that uses
+names it does not define). Samples that use torch or tensorflow are skipped where the
+framework is not installed, and those on CUDA where fewer than 2 CUDA devices exist.
+```sh blocks and unlabelled blocks are not run.
+"""
+
+from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
+
+import ddl
 from ddl import config
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+DOC_FILES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*$")
+NO_RUN = re.compile(r"^\s*<!--\s*no-run\s*:?\s*(?P<why>.*?)\s*-->\s*$")
+SPAN = re.compile(r"`([^`\n]+)`")
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    no_run: str | None  # the reason, when marked <!-- no-run -->
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def code_blocks(path: Path) -> list[Block]:
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, indent = i, m["indent"]
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            i += 1
+        if i == len(lines):
+            raise AssertionError(f"{path}:{start + 1}: code block never closed")
+        prev = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
+        why = NO_RUN.match(prev)
+        code = textwrap.dedent("\n".join(lines[start + 1 : i]))
+        assert all(not ln.strip() or ln.startswith(indent) for ln in lines[start + 1 : i]), \
+            f"{path}:{start + 1}: block less indented than its fence"
+        blocks.append(Block(path, start + 1, m["lang"], code + "\n",
+                            (why["why"] or "marked no-run") if why else None))
+        i += 1
+    return blocks
+
+
+PYTHON_BLOCKS = [b for p in DOC_FILES for b in code_blocks(p) if b.lang == "python"]
+
+
+def documented(name: str, spans: list[str], blocks: str) -> bool:
+    """``name`` shown as code: ``ddl.name`` anywhere in code, or a span that is the name or
+    starts with ``name(`` (the tables' ``allreduce_(t, op)``)."""
+    word = re.compile(rf"(?<![\w.])ddl\.{re.escape(name)}(?!\w)")
+    return (any(s == name or s.startswith(f"{name}(") or word.search(s) for s in spans)
+            or bool(word.search(blocks)))
 
 
 def test_every_environment_variable_is_documented():
-    with open(os.path.join(DOCS, "tuning.md")) as f:
-        text = f.read()
+    text = (DOCS / "tuning.md").read_text()
     missing = [n for n, _, _ in config.describe() if f"`{n}`" not in text]
     assert not missing, f"add these to docs/tuning.md (ddl-perf env prints them): {missing}"
 
 
 def test_every_public_function_is_in_the_api_doc():
-    import ddl
-
-    with open(os.path.join(DOCS, "api.md")) as f:
-        text = f.read()
+    path = DOCS / "api.md"
+    spans = SPAN.findall(path.read_text())
+    blocks = "\n".join(b.code for b in code_blocks(path))
     public = [n for n in ddl.__all__ if callable(getattr(ddl, n)) and n[0].islower()]
-    missing = [n for n in public if n not in text]
-    assert not missing, f"document in docs/api.md: {missing}"
+    missing = [n for n in public if not documented(n, spans, blocks)]
+    assert not missing, f"document in docs/api.md (as `ddl.{{name}}(...)`): {missing}"
+
+
+def test_names_are_matched_whole_not_as_substrings():
+    spans = ["ddl.allreduce_(t)", "g.size", "ddl.initialize()", "broadcast_(t, root)", "poll"]
+    assert documented("allreduce_", spans, "")
+    assert documented("broadcast_", spans, "")
+    assert documented("poll", spans, "")
+    assert not documented("allreduce", spans, "")  # only allreduce_ is there
+    assert not documented("size", spans, "")  # a group's attribute, not ddl.size
+    assert not documented("init", spans, "ddl.init_x()\nmyddl.init()")
+    assert documented("init", [], "ddl.init()\n")
+
+
+def _needs(code: str) -> str | None:
+    """Why this sample cannot run here, or None."""
+    for mod in ("torch", "tensorflow"):
+        if re.search(rf"^\s*(import|from)\s+{mod}\b", code, re.M) or f"import {mod}," in code:
+            try:
+                __import__(mod)
+            except ImportError:
+                return f"needs {mod}"
+    if re.search(r"\bcuda\b", code):
+        try:
+            import torch
+        except ImportError:
+            return "needs torch with CUDA"
+        if torch.cuda.device_count() < 2:
+            return "needs 2 CUDA devices"
+    return None
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.where for b in PYTHON_BLOCKS])
+def test_doc_sample_runs(block, tmp_path):
+    if block.no_run:
+        pytest.skip(f"{block.where}: {block.no_run}")
+    if why := _needs(block.code):
+        pytest.skip(f"{block.where}: {why}")
+    script = tmp_path / "sample.py"
+    script.write_text(block.code)
+    argv = [sys.executable, str(script)]
+    if re.search(r"^\s*(import|from)\s+ddl\b", block.code, re.M):
+        argv = [sys.executable, "-m", "ddlrun", "-n", "2", "--timeout", "120", *argv]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                         env=env)
+    assert res.returncode == 0, f"{block.where} failed:\n{block.code}\n{res.stdout}{res.stderr}"
+
+
+def test_samples_are_found_with_their_markers(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("text\n\n```python\nprint(1)\n```\n<!-- no-run: a fragment -->\n\n"
+                   "```python\nmodel()\n```\n- item:\n  ```python\n  x = 1\n  ```\n"
+                   "```sh\nls\n```\n")
+    got = [(b.line, b.lang, b.code, b.no_run) for b in code_blocks(doc)]
+    assert got == [(3, "python", "print(1)\n", None), (8, "python", "model()\n", "a fragment"),
+                   (12, "python", "x = 1\n", None), (15, "sh", "ls\n", None)]

@@ -22,8 +22,6 @@ from pathlib import Path
 import pytest
 from ddlrun_testlib import HERE, PY, ddlrun_argv, run_ddlrun, shm_left
 
-pytest.importorskip("ddl", reason="the fault tests run ddl collectives")
-
 FAULTS = str(HERE / "scripts" / "faults.py")
 TIMEOUT = 2  # DDL_TIMEOUT of the jobs: survivors of a stopped rank give up after this
 ENV = {**os.environ, "DDL_TIMEOUT": str(TIMEOUT), "DDL_SHM_HEAP_BYTES": str(4 * 2**20)}

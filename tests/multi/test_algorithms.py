@@ -1,6 +1,7 @@
 """Ring and halving-doubling against numpy, over an in-process fake group, every size."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ class Net:
     def __init__(self, n):
         self.n = n
         self.box = {}
+        self.sent = 0  # bytes, all ranks together
         self.cv = threading.Condition()
 
     def group(self, r):
@@ -31,6 +33,7 @@ class Net:
                 k = G.seq[(r, to, frm)] = G.seq.get((r, to, frm), 0) + 1
                 with net.cv:
                     net.box[(r, to, k)] = send.copy()
+                    net.sent += send.nbytes
                     net.cv.notify_all()
                     net.cv.wait_for(lambda: (frm, r, k) in net.box, timeout=10)
                     recv[...] = net.box.pop((frm, r, k)).view(recv.dtype).reshape(recv.shape)
@@ -45,24 +48,36 @@ def _run(n, count, alg):
     bufs = [x.copy() for x in inputs]
     counts = split(count, n)
     dt = BY_NAME["int64"]
+    errors = {}
 
     def rank(r):
-        g = net.group(r)
-        if alg == "ring":
-            ring.ring_reduce_scatter(g, bufs[r], counts, dt, Sum)
-            ring.ring_allgather(g, bufs[r], counts)
-        else:
-            ring.hd_reduce_scatter(g, bufs[r], counts, dt, Sum)
-            ring.hd_allgather(g, bufs[r], counts)
+        try:
+            g = net.group(r)
+            if alg == "ring":
+                ring.ring_reduce_scatter(g, bufs[r], counts, dt, Sum)
+                ring.ring_allgather(g, bufs[r], counts)
+            else:
+                ring.hd_reduce_scatter(g, bufs[r], counts, dt, Sum)
+                ring.hd_allgather(g, bufs[r], counts)
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            errors[r] = exc
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    ts = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     for t in ts:
         t.start()
+    deadline = time.monotonic() + 30
     for t in ts:
-        t.join(20)
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, t in enumerate(ts) if t.is_alive()]
+    assert not stuck, f"ranks {stuck} still running after 30s (a send nobody received?)"
+    assert not errors, f"ranks raised: {errors!r}"
+    assert net.box == {}, f"messages sent but never received: {sorted(net.box)}"
+    # bandwidth-optimal: every element crosses n-1 links in each half (and none for count=0)
+    assert net.sent == 2 * (n - 1) * count * 8, net.sent
     want = sum(inputs)
-    for b in bufs:
-        assert np.array_equal(b, want)
+    for r, b in enumerate(bufs):
+        assert b.dtype == np.int64 and b.shape == (count,), (r, b.dtype, b.shape)
+        assert np.array_equal(b, want), r
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
