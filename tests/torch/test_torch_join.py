@@ -64,7 +64,8 @@ def test_collectives_while_ranks_are_joined(job):
     for name in ("allreduce_sum", "allreduce_average", "allreduce_min", "allreduce_max",
                  "allreduce_product", "allgather", "async", "grouped", "grouped_inplace",
                  "reduce_scatter",
-                 "alltoall", "broadcast_running_root", "broadcast_joined_root_raises",
+                 "alltoall", "grouped_allgather", "broadcast_parameters",
+                 "broadcast_running_root", "broadcast_joined_root_raises",
                  "broadcast_object_raises", "allgather_object_raises", "after_errors"):
         assert f"first0_{name}" in running, name  # the checks did run
 
@@ -79,3 +80,4 @@ def test_mismatched_collectives_raise_on_every_rank_and_name_them(job):
         assert "rank 1: hvd.allreduce(float32[5x2], op=Sum)" in m["shape_msg"]
         if n >= 3 and "with_joined" in m:
             assert m["with_joined"] and m["with_joined_then_sum"]
+            assert m["failure_with_joined"]

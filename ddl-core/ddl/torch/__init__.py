@@ -40,10 +40,10 @@ from ddl import (
     local_rank,
     local_size,
     rank,
-    shutdown,
     size,
 )
 from ddl import init as _core_init
+from ddl import shutdown as _core_shutdown
 
 from .backend import DDLProcessGroup, DDLWork, register
 from .compression import Compression, Compressor
@@ -68,6 +68,7 @@ from .mpi_ops import (
     broadcast_object,
     global_process_set,
     grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
@@ -76,8 +77,12 @@ from .mpi_ops import (
     poll,
     reduce_scatter,
     reduce_scatter_async,
+    shutdown_exchange,
     synchronize,
 )
+from .negotiate import Handle
+from .negotiate import broken as _broken
+from .negotiate import reset as _reset
 from .optimizer import DistributedOptimizer
 
 register()
@@ -85,13 +90,42 @@ register()
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the job (``ddl.init()``). Horovod's ``comm`` (an MPI communicator) and
-    ``process_sets`` are accepted only when they mean "every rank"."""
+    ``process_sets`` are accepted only when they mean "every rank".
+
+    Calling it again is a no-op, as in Horovod, unless this generation is unusable (a peer
+    shut down, died or timed out): then it starts a new one, which is how a rank whose peer
+    called ``shutdown()`` and ``init()`` (Horovod's tests do, between cases) catches up.
+    """
     if comm is not None:
         raise NotImplementedError("ddl.torch.init: comm= is not supported; ddl.init() reads "
                                   "the launch environment (ddlrun, torchrun, mpirun)")
     if process_sets:
         raise NotImplementedError("ddl.torch.init: process_sets are not supported")
+    if is_initialized():
+        if _broken() is None:
+            return
+        _core_shutdown()  # no collective step: the peers are gone or have moved on
+    _reset()
     _core_init()
+
+
+def shutdown() -> None:
+    """Leave the job, collectively: every rank finishes the calls before this one, then
+    takes part in one control exchange, so a rank still inside another collective raises a
+    ``DDLMismatchError`` naming this shutdown (and re-initialises on its next ``init()``).
+    ``init()`` may follow, any number of times. Safe to call more than once."""
+    if not is_initialized():
+        return
+    try:
+        if _broken() is None:
+            shutdown_exchange()
+    except DDLError:
+        pass  # a peer is gone or elsewhere: it has been told, or will see this rank closed
+    finally:
+        try:
+            _core_shutdown()
+        finally:
+            _reset()
 
 
 # What this build has, in Horovod's vocabulary (scripts branch on these).
@@ -168,15 +202,16 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
     "DDLPeerError", "DDLProcessGroup", "DDLTimeoutError", "DDLWork", "DistributedOptimizer",
-    "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
+    "Handle", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "join",
-    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-    "nccl_built", "poll", "rank", "reduce_scatter", "reduce_scatter_async", "register",
-    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_homogeneous",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reduce_scatter",
+    "reduce_scatter_async", "register", "rocm_built", "shutdown", "size", "start_timeline",
+    "stop_timeline", "synchronize",
 ]

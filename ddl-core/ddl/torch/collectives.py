@@ -1,4 +1,5 @@
-"""Collectives the core does not have, built from the ones it has (alltoall, objects).
+"""Collectives the core does not have, built from the ones it has (alltoall), and the
+pickling of the object collectives.
 
 They are correct for every engine because they use only the public ``ddl.*`` API; they are
 not as fast as a native implementation would be (alltoall moves every rank's whole tensor to
@@ -66,37 +67,15 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *,
     return alltoall_receive(table, data, tuple(tensor.shape[1:]), me)
 
 
-def _dumps(obj: Any) -> np.ndarray:
+def dumps(obj: Any) -> np.ndarray:
+    """``obj`` pickled (tensors on any device included) as bytes to send."""
     buf = io.BytesIO()
-    torch.save(obj, buf)  # handles tensors (any device) inside the object
+    torch.save(obj, buf)
     return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
 
 
-def _loads(data: np.ndarray) -> Any:
+def loads(data: np.ndarray) -> Any:
     return torch.load(io.BytesIO(data.tobytes()), weights_only=False)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """``root_rank``'s ``obj`` on every rank (pickled; tensors included)."""
-    payload = _dumps(obj) if ddl.rank() == root_rank else np.empty(0, np.uint8)
-    length = ddl.broadcast(np.asarray([payload.size], dtype=np.int64), root_rank)
-    if ddl.rank() != root_rank:
-        payload = np.empty(int(length[0]), dtype=np.uint8)
-    ddl.broadcast_(payload, root_rank)
-    return obj if ddl.rank() == root_rank else _loads(payload)
-
-
-def allgather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order."""
-    payload = _dumps(obj)
-    lengths = ddl.allgather(np.asarray([payload.size], dtype=np.int64))
-    data = ddl.allgather(payload)
-    out, off = [], 0
-    for n in lengths.tolist():
-        out.append(_loads(data[off:off + n]))
-        off += n
-    return out
-
-
-__all__ = ["allgather_object", "alltoall", "alltoall_receive", "alltoall_splits",
-           "broadcast_object"]
+__all__ = ["alltoall", "alltoall_receive", "alltoall_splits", "dumps", "loads"]

@@ -10,7 +10,7 @@ import torch
 
 import ddl
 
-from . import collectives
+from .mpi_ops import broadcast_group_, broadcast_object
 
 
 def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int = 0) -> None:
@@ -18,18 +18,18 @@ def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: i
 
     ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
     """
+    # One call covering every tensor: ranks whose models differ (another count, dtype or
+    # shape) raise on every rank instead of pairing one tensor with another.
+    broadcast_group_(lambda: _tensors(params), root_rank, what="broadcast_parameters")
+
+
+def _tensors(params: Mapping[str, Any] | Iterable[Any]) -> list[torch.Tensor]:
     if isinstance(params, Mapping):
         items = sorted(params.items())  # same order on every rank whatever the dict order
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    handles = []
-    for name, p in items:
-        if not isinstance(p, torch.Tensor):
-            continue
-        handles.append(ddl.broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p,
-                                            root_rank, name=f"broadcast.{name}"))
-    for h in handles:
-        h.wait()
+    return [p.data if isinstance(p, torch.nn.Parameter) else p
+            for _, p in items if isinstance(p, torch.Tensor)]
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
@@ -39,6 +39,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     (no step taken yet) receive the root's structure too.
     """
     inner = getattr(optimizer, "optimizer", optimizer)
-    state = collectives.broadcast_object(inner.state_dict(), root_rank)
+    state = broadcast_object(inner.state_dict(), root_rank)
     if ddl.rank() != root_rank:
         inner.load_state_dict(state)

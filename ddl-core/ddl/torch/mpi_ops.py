@@ -1,39 +1,32 @@
 """Horovod's ``horovod.torch`` collectives, with Horovod's arguments, over the ddl core.
 
-Each collective is one function over the core's async call; the blocking and in-place
-spellings wrap it. Handles are ddl handles (``wait()``/``poll()``), so ``hvd.synchronize``
-and ``ddl.synchronize`` both take them.
-
-Every collective here goes through :mod:`ddl.torch.join`: a small control exchange, queued
-with its data, lets ranks that called ``join()`` serve the others (Horovod's semantics) and
-turns ranks calling different collectives into one clear error on every rank.
+Each collective has one implementation: a *plan* (check the arguments, compress, build the
+core's data step and the call's identity) handed to :func:`ddl.torch.negotiate.submit`,
+which queues the data behind the call's identity exchange; the blocking, in-place and
+``_async`` spellings are thin wrappers. Whatever a plan raises still takes part in that
+exchange, so an error on one rank is an error on every rank, and two different calls never
+pair. Handles have ``wait()``/``poll()``, so ``hvd.synchronize`` and ``ddl.synchronize``
+both take them.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 import ddl
+from ddl import api as _api
 from ddl.ops import parse_op
 
 from . import collectives
+from . import negotiate as ng
 from .compression import Compression, Compressor
-from .join import (
-    Ready as _Ready,
-)
-from .join import (
-    check_object_collective,
-    run_alltoall,
-    run_barrier,
-    submit_allgather,
-    submit_allreduce,
-    submit_broadcast,
-    submit_reduce_scatter,
-)
 from .join import join as _join
+from .negotiate import Call, Handle, Planned, code_of, device_of, submit
 
 
 class ProcessSet:
@@ -66,30 +59,6 @@ def add_process_set(process_set: Any) -> ProcessSet:
     raise NotImplementedError("ddl.torch: add_process_set is not supported (global set only)")
 
 
-class Handle:
-    """An async result that post-processes on ``wait()`` (scaling, decompression, copies)."""
-
-    __slots__ = ("_inner", "_finish", "_done", "_value", "name")
-
-    def __init__(self, inner: Any, finish: Callable[[Any], Any] | None = None,
-                 name: str = "") -> None:
-        self._inner, self._finish, self.name = inner, finish, name
-        self._done, self._value = False, None
-
-    def poll(self) -> bool:
-        return self._done or self._inner.poll()
-
-    def wait(self) -> Any:
-        if not self._done:
-            value = self._inner.wait()
-            self._value = self._finish(value) if self._finish else value
-            self._done = True
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"<ddl.torch.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
-
-
 def synchronize(handle: Any) -> Any:
     """Wait for an ``*_async`` call and return its output."""
     return handle.wait()
@@ -103,7 +72,7 @@ def poll(handle: Any) -> bool:
 def _op(average: bool | None, op: Any) -> ddl.ReduceOp:
     if average is not None:
         if op is not None:
-            raise ValueError("pass op or average (deprecated), not both")
+            raise ddl.DDLConfigError("pass op or average (deprecated), not both")
         return ddl.Average if average else ddl.Sum
     if op is None:
         return ddl.Average
@@ -112,55 +81,80 @@ def _op(average: bool | None, op: Any) -> ddl.ReduceOp:
     return parse_op(op)
 
 
+def _root(root_rank: Any) -> int:
+    root = operator.index(root_rank)
+    if not 0 <= root < ddl.size():
+        raise ddl.DDLConfigError(f"root_rank {root} is outside 0..{ddl.size() - 1}")
+    return root
+
+
+def _no_r(step: Callable[[], Any]) -> Callable[[np.ndarray], Any]:
+    return lambda r: step()
+
+
+def _needs_grad(tensors: Any) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        return any(getattr(t, "requires_grad", False) for t in tensors)
+    except TypeError:
+        return False  # not a sequence: the plan raises, on every rank
+
+
 # ------------------------------------------------------------------- allreduce
-def _allreduce_async(tensor: torch.Tensor, average, name, op, prescale_factor: float,
-                     postscale_factor: float, compression: type[Compressor], inplace: bool,
-                     process_set: Any, async_: bool = True) -> Handle:
-    """``async_=False`` (the blocking spellings) runs on the caller's thread when nothing
-    is queued, like the core's blocking calls: no hand-off to the worker thread."""
-    _check_process_set(process_set)
-    rop = _op(average, op)
-    sent, ctx = compression.compress(tensor)
-    if prescale_factor != 1.0:
-        sent = sent * prescale_factor
-    # In place whenever the tensor sent is ours to overwrite: the caller's own for the
-    # in-place spellings, or a temporary made by compression or prescaling. Out of place
-    # would allocate a fresh result (page faults on every call for large tensors) and copy.
-    inner = submit_allreduce(sent, rop, name=name or "allreduce", prescale=prescale_factor,
-                             postscale=postscale_factor, async_=async_,
-                             inplace=inplace or sent is not tensor)
-    if not async_:
-        inner = _Ready(inner)
+def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+               prescale_factor: float, postscale_factor: float,
+               compression: type[Compressor], inplace: bool, process_set: Any,
+               async_: bool) -> Any:
+    """The one allreduce. Blocking calls (``async_=False``) run on the caller's thread when
+    nothing is queued, like the core's: no hand-off to the worker thread."""
 
-    def finish(out: torch.Tensor) -> torch.Tensor:
-        if postscale_factor != 1.0:
-            out.mul_(postscale_factor)
-        out = compression.decompress(out, ctx)
-        if inplace:
-            if out is not tensor:
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        rop = _op(average, op)
+        pre, post = float(prescale_factor), float(postscale_factor)
+        sent, ctx = compression.compress(tensor)
+        if pre != 1.0:
+            sent = sent * pre
+        # In place whenever the tensor sent is ours to overwrite: the caller's own for the
+        # in-place spellings, or a temporary made by compression or prescaling. Out of place
+        # would allocate a fresh result (page faults on every call for large tensors).
+        data = _api._plan_allreduce(sent, rop, None, inplace or sent is not tensor)
+        call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
+                    name=name)
+
+        def finish(out: torch.Tensor) -> torch.Tensor:
+            if post != 1.0:
                 with torch.no_grad():
-                    tensor.copy_(out)
-            return tensor
-        return out
+                    out.mul_(post)
+            out = compression.decompress(out, ctx)
+            if inplace:
+                if out is not tensor:
+                    with torch.no_grad():
+                        tensor.copy_(out)
+                return tensor
+            return out
 
-    return Handle(inner, finish, name or "allreduce")
+        return Planned(call, _no_r(data), finish)
+
+    return submit(ng.ALLREDUCE, name, plan, async_=async_, label=name or "allreduce")
 
 
 class _AllreduceFn(torch.autograd.Function):
     """Horovod's allreduce is differentiable: the gradient is the allreduce of the gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, compression, name):
-        ctx.args = (op, prescale, postscale, compression)
-        return _allreduce_async(tensor, None, name, op, prescale, postscale, compression,
-                                False, None, False).wait()
+    def forward(ctx, tensor, average, op, prescale, postscale, compression, name, process_set):
+        ctx.args = (average, op, prescale, postscale, compression, process_set)
+        return _allreduce(tensor, average, name, op, prescale, postscale, compression, False,
+                          process_set, False)
 
     @staticmethod
     def backward(ctx, grad):
-        op, prescale, postscale, compression = ctx.args
-        out = _allreduce_async(grad.contiguous(), None, None, op, prescale, postscale,
-                               compression, False, None, False).wait()
-        return out, None, None, None, None, None
+        average, op, prescale, postscale, compression, process_set = ctx.args
+        out = _allreduce(grad.contiguous(), average, None, op, prescale, postscale,
+                         compression, False, process_set, False)
+        return out, None, None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -168,91 +162,136 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = None) -> torch.Tensor:
     """Average (or ``op``) of ``tensor`` over all ranks, as a new tensor."""
-    rop = _op(average, op)
-    _check_process_set(process_set)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceFn.apply(tensor, rop, prescale_factor, postscale_factor, compression,
-                                  name)
-    return _allreduce_async(tensor, None, name, rop, prescale_factor, postscale_factor,
-                            compression, False, None, False).wait()
+    if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
+        return _AllreduceFn.apply(tensor, average, op, prescale_factor, postscale_factor,
+                                  compression, name, process_set)
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                      compression, False, process_set, False)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                            Compression.none, False, process_set)
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                      Compression.none, False, process_set, True)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                            Compression.none, True, process_set, False).wait()
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                      Compression.none, True, process_set, False)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                            Compression.none, True, process_set)
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                      Compression.none, True, process_set, True)
 
 
-def _grouped_async(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
-                   postscale_factor, compression, inplace: bool, process_set) -> Handle:
-    """One fused allreduce per (dtype, device): Horovod's grouped_allreduce fuses too."""
-    _check_process_set(process_set)
-    rop = _op(average, op)
-    sent = [compression.compress(t) for t in tensors]
-    by_key: dict[tuple, list[int]] = {}
-    for i, (s, _) in enumerate(sent):
-        by_key.setdefault((s.dtype, s.device), []).append(i)
-    parts = []
-    direct = inplace and compression is Compression.none and prescale_factor == 1.0
-    for (dtype, device), idx in by_key.items():
-        if direct and device.type == "cpu":
-            # reduced where they live, as one fused collective: nothing is packed
-            group = [tensors[i] for i in idx]
-            numel = sum(t.numel() for t in group)
-            stand_in = torch.empty(numel, dtype=dtype, device="meta")  # the fused shape
-            parts.append((idx, False, submit_allreduce(
-                stand_in, rop, name=name or "grouped_allreduce", inplace=True,
-                postscale=postscale_factor, sources=group)))
-            continue
-        flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
-        if prescale_factor != 1.0:
-            flat.mul_(prescale_factor)
-        parts.append((idx, True, submit_allreduce(flat, rop, name=name or "grouped_allreduce",
-                                                  inplace=True, prescale=prescale_factor,
-                                                  postscale=postscale_factor)))
+def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,
+                     async_: bool = True, prescale: float = 1.0, postscale: float = 1.0,
+                     before: Callable[[], None] | None = None,
+                     sources: list | None = None) -> Any:
+    """The DistributedOptimizer's bucket allreduce (already packed, scaled by the caller).
+    With ``sources``, ``tensor`` is the fusion buffer they would be packed into, never
+    packed: their sum goes into it, or back into the sources when ``inplace`` (ranks that
+    joined see an allreduce of ``tensor`` either way). ``name`` labels the handle only."""
 
-    def finish(_: Any) -> list[torch.Tensor]:
-        out: list[Any] = [None] * len(tensors)
-        for idx, packed, h in parts:
-            flat = h.wait()
-            if not packed:  # reduced in place, where the tensors live
-                for i in idx:
-                    if postscale_factor != 1.0:
-                        with torch.no_grad():
-                            tensors[i].mul_(postscale_factor)
-                    out[i] = tensors[i]
-                continue
-            if postscale_factor != 1.0:
-                flat.mul_(postscale_factor)
-            off = 0
-            for i in idx:
-                n = tensors[i].numel()
-                r = compression.decompress(flat[off:off + n].view(tensors[i].shape), sent[i][1])
-                off += n
-                if inplace:
-                    with torch.no_grad():
-                        tensors[i].copy_(r)
-                    r = tensors[i]
-                out[i] = r
-        return out
+    def plan() -> Planned:
+        if sources is None:
+            data = _api._plan_allreduce(tensor, op, None, inplace)
+        else:
+            data = _api._plan_allreduce_into(sources, None if inplace else tensor, op)
+        call = Call(ng.ALLREDUCE, op, code_of(tensor), tuple(tensor.shape), pre=prescale,
+                    post=postscale)
+        return Planned(call, _no_r(data), before=before)
 
-    last = parts[-1][2] if parts else _Ready(None)
-    return Handle(last, finish, name or "grouped_allreduce")
+    return submit(ng.ALLREDUCE, None, plan, async_=async_, label=name)
+
+
+# ------------------------------------------------------------ grouped allreduce
+def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | None, op: Any,
+             prescale_factor: float, postscale_factor: float, compression: type[Compressor],
+             inplace: bool, process_set: Any, async_: bool) -> Any:
+    """One call, whose descriptor covers every member: one fused allreduce per (dtype,
+    device), all in the same queued work (Horovod's grouped_allreduce fuses too)."""
+
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        rop = _op(average, op)
+        pre, post = float(prescale_factor), float(postscale_factor)
+        ts = list(tensors)
+        sent = [compression.compress(t) for t in ts]
+        members = ng.layout([(code_of(s), device_of(s), tuple(s.shape)) for s, _ in sent],
+                            gathering=False)
+        call = Call(ng.GROUPED_ALLREDUCE, rop, pre=pre, post=post, name=name, count=len(ts),
+                    numel=sum(s.numel() for s, _ in sent),
+                    ndim=max((s.dim() for s, _ in sent), default=0), layout=members)
+        rows = call.members()
+        direct = inplace and compression is Compression.none and pre == 1.0
+        parts: list[tuple[list[int], torch.Tensor | None, Callable[[], Any]]] = []
+        with torch.no_grad():
+            for idx in ng.buckets(rows):
+                if direct and rows[idx[0], 1] == 0:
+                    # CPU tensors reduced where they live, as one fused collective: nothing
+                    # is packed
+                    group = [ts[i] for i in idx]
+                    parts.append((idx, None, _api._plan_allreduce_into(group, None, rop)))
+                    continue
+                flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
+                if pre != 1.0:
+                    flat.mul_(pre)
+                parts.append((idx, flat, _api._plan_allreduce(flat, rop, None, True)))
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            out: list[Any] = [None] * len(ts)
+            with torch.no_grad():
+                for idx, flat, _step in parts:
+                    if flat is None:  # reduced in place, where the tensors live
+                        for i in idx:
+                            if post != 1.0:
+                                ts[i].mul_(post)
+                            out[i] = ts[i]
+                        continue
+                    if post != 1.0:
+                        flat.mul_(post)
+                    off = 0
+                    for i in idx:
+                        s, ctx = sent[i]
+                        n = s.numel()
+                        r = compression.decompress(flat[off:off + n].view(s.shape), ctx)
+                        off += n
+                        if inplace:
+                            ts[i].copy_(r)
+                            r = ts[i]
+                        out[i] = r
+            return out
+
+        return Planned(call, lambda r: [step() for _, _, step in parts], finish)
+
+    return submit(ng.GROUPED_ALLREDUCE, name, plan, async_=async_,
+                  label=name or "grouped_allreduce")
+
+
+class _GroupedAllreduceFn(torch.autograd.Function):
+    """Horovod's grouped_allreduce is differentiable: the gradients are the grouped
+    allreduce of the gradients."""
+
+    @staticmethod
+    def forward(ctx, average, op, prescale, postscale, compression, name, process_set,
+                *tensors):
+        ctx.args = (average, op, prescale, postscale, compression, process_set)
+        return tuple(_grouped(tensors, average, name, op, prescale, postscale, compression,
+                              False, process_set, False))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, op, prescale, postscale, compression, process_set = ctx.args
+        out = _grouped([g.contiguous() for g in grads], average, None, op, prescale,
+                       postscale, compression, False, process_set, False)
+        return (None,) * 7 + tuple(out)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -260,119 +299,210 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None
                       ) -> list[torch.Tensor]:
-    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                          compression, False, process_set).wait()
+    if _needs_grad(tensors):
+        return list(_GroupedAllreduceFn.apply(average, op, prescale_factor, postscale_factor,
+                                              compression, name, process_set, *tensors))
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    compression, False, process_set, False)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = None) -> Handle:
-    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                          Compression.none, False, process_set)
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    Compression.none, False, process_set, True)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, process_set: Any = None
                        ) -> list[torch.Tensor]:
-    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                          Compression.none, True, process_set).wait()
+    """In place, as in Horovod outside autograd: tensors that require grad are updated
+    without recording a graph."""
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    Compression.none, True, process_set, False)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None) -> Handle:
-    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                          Compression.none, True, process_set)
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    Compression.none, True, process_set, True)
 
 
-# ------------------------------------------------------- allgather, broadcast
+# ------------------------------------------------------------------- allgather
+def _allgather(tensor: torch.Tensor, name: str | None, process_set: Any, async_: bool) -> Any:
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        t = tensor if tensor.dim() else tensor.reshape(1)
+        data = _api._plan_allgather(t)
+        return Planned(Call(ng.ALLGATHER, code=code_of(t), shape=tuple(t.shape), name=name),
+                       _no_r(data))
+
+    return submit(ng.ALLGATHER, name, plan, async_=async_, label=name or "allgather")
+
+
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: Any = None) -> Any:
-    _check_process_set(process_set)
-    return submit_allgather(tensor if tensor.dim() else tensor.reshape(1),
-                            name=name or "allgather")
+                    process_set: Any = None) -> Handle:
+    return _allgather(tensor, name, process_set, True)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = None) -> torch.Tensor:
     """Concatenation of every rank's ``tensor`` along dimension 0 (sizes may differ)."""
-    _check_process_set(process_set)
-    return submit_allgather(tensor if tensor.dim() else tensor.reshape(1),
-                            name=name or "allgather", async_=False)
+    return _allgather(tensor, name, process_set, False)
+
+
+def _grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any,
+                       async_: bool) -> Any:
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        ts = [t if t.dim() else t.reshape(1) for t in tensors]
+        steps = [_api._plan_allgather(t) for t in ts]
+        members = ng.layout([(code_of(t), device_of(t), tuple(t.shape)) for t in ts],
+                            gathering=True)
+        call = Call(ng.GROUPED_ALLGATHER, name=name, count=len(ts),
+                    ndim=max((t.dim() for t in ts), default=0), layout=members)
+        return Planned(call, lambda r: [step() for step in steps])
+
+    return submit(ng.GROUPED_ALLGATHER, name, plan, async_=async_,
+                  label=name or "grouped_allgather")
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: Any = None) -> list[torch.Tensor]:
-    handles = [allgather_async(t, name, process_set) for t in tensors]
-    return [h.wait() for h in handles]
+    """``allgather`` of each tensor, as one call."""
+    return _grouped_allgather(tensors, name, process_set, False)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: Any = None) -> Handle:
+    return _grouped_allgather(tensors, name, process_set, True)
+
+
+# ------------------------------------------------------------------- broadcast
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool,
+               process_set: Any, async_: bool) -> Any:
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        root = _root(root_rank)
+        data = _api._plan_broadcast(tensor, root, inplace)
+        call = Call(ng.BROADCAST, code=code_of(tensor), shape=tuple(tensor.shape), arg=root,
+                    name=name)
+        return Planned(call, _no_r(data))
+
+    return submit(ng.BROADCAST, name, plan, async_=async_,
+                  label=name or ("broadcast_" if inplace else "broadcast"))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: Any = None) -> Any:
-    _check_process_set(process_set)
-    return submit_broadcast(tensor, root_rank, name=name or "broadcast")
+                    process_set: Any = None) -> Handle:
+    return _broadcast(tensor, root_rank, name, False, process_set, True)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = None) -> torch.Tensor:
-    _check_process_set(process_set)
-    return submit_broadcast(tensor, root_rank, name=name or "broadcast", async_=False)
+    return _broadcast(tensor, root_rank, name, False, process_set, False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: Any = None) -> Any:
-    _check_process_set(process_set)
-    return submit_broadcast(tensor, root_rank, name=name or "broadcast_", inplace=True)
+                     process_set: Any = None) -> Handle:
+    return _broadcast(tensor, root_rank, name, True, process_set, True)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = None) -> torch.Tensor:
-    _check_process_set(process_set)
-    return submit_broadcast(tensor, root_rank, name=name or "broadcast_", inplace=True,
-                            async_=False)
+    return _broadcast(tensor, root_rank, name, True, process_set, False)
+
+
+def broadcast_group_(tensors: Callable[[], Sequence[torch.Tensor]], root_rank: int,
+                     name: str | None = None, what: str = "broadcast_parameters") -> None:
+    """``broadcast_`` of every tensor ``tensors()`` gives, as one call. The tensors are
+    collected inside the call's plan, so a failure there is agreed too."""
+
+    def plan() -> Planned:
+        root = _root(root_rank)
+        ts = list(tensors())
+        steps = [_api._plan_broadcast(t, root, True) for t in ts]
+        members = ng.layout([(code_of(t), device_of(t), tuple(t.shape)) for t in ts],
+                            gathering=False)
+        call = Call(ng.GROUPED_BROADCAST, arg=root, name=name, count=len(ts),
+                    numel=sum(t.numel() for t in ts),
+                    ndim=max((t.dim() for t in ts), default=0), layout=members)
+        return Planned(call, lambda r: [step() for step in steps])
+
+    submit(ng.GROUPED_BROADCAST, name, plan, async_=False, label=name or what)
 
 
 # ------------------------------------------------- alltoall, reduce_scatter
+def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any,
+              async_: bool) -> Any:
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        s = None if splits is None else [int(x) for x in (
+            splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        rows = tensor.shape[0] if tensor.dim() else 1
+        row = int(np.prod(tuple(tensor.shape[1:]), dtype=np.int64)) if tensor.dim() else 1
+        send = collectives.alltoall_splits(rows, s)
+        table = _api._plan_allgather(np.asarray([send], dtype=np.int64))
+        data = _api._plan_allgather(tensor.reshape(rows, row))
+        tail = tuple(tensor.shape[1:])
+
+        def finish(got: tuple[np.ndarray, Any]) -> Any:
+            out, received = collectives.alltoall_receive(got[0], got[1], tail)
+            return out if splits is None else (out, received)
+
+        call = Call(ng.ALLTOALL, code=code_of(tensor), shape=tuple(tensor.shape), name=name)
+        return Planned(call, lambda r: (table(), data()), finish)
+
+    return submit(ng.ALLTOALL, name, plan, async_=async_, label=name or "alltoall")
+
+
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
              name: str | None = None, process_set: Any = None) -> Any:
     """Send ``splits[j]`` rows to rank ``j``; returns the rows received (and, when
     ``splits`` is given, how many came from each rank), like Horovod."""
-    _check_process_set(process_set)
-    s = None if splits is None else [int(x) for x in (
-        splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    rows = tensor.shape[0] if tensor.dim() else 1
-    send = collectives.alltoall_splits(rows, s)
-    table, data = run_alltoall(tensor, send, name=name or "alltoall")
-    out, received = collectives.alltoall_receive(table, data, tuple(tensor.shape[1:]))
-    return out if splits is None else (out, received)
+    return _alltoall(tensor, splits, name, process_set, False)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None,
-                   name: str | None = None, process_set: Any = None) -> Any:
-    return _Ready(alltoall(tensor, splits, name, process_set))
+                   name: str | None = None, process_set: Any = None) -> Handle:
+    return _alltoall(tensor, splits, name, process_set, True)
+
+
+def _reduce_scatter(tensor: torch.Tensor, op: Any, name: str | None, process_set: Any,
+                    async_: bool) -> Any:
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        rop = _op(None, op)
+        data = _api._plan_reduce_scatter(tensor, rop)
+        call = Call(ng.REDUCE_SCATTER, rop, code_of(tensor), tuple(tensor.shape), name=name)
+        return Planned(call, _no_r(data))
+
+    return submit(ng.REDUCE_SCATTER, name, plan, async_=async_,
+                  label=name or "reduce_scatter")
 
 
 def reduce_scatter(tensor: torch.Tensor, op: Any = None, name: str | None = None,
                    process_set: Any = None) -> torch.Tensor:
     """Reduce over ranks, then this rank's block of dimension 0 (``ddl.split_rows``)."""
-    _check_process_set(process_set)
-    return submit_reduce_scatter(tensor, _op(None, op), name=name or "reduce_scatter",
-                                 async_=False)
+    return _reduce_scatter(tensor, op, name, process_set, False)
 
 
 def reduce_scatter_async(tensor: torch.Tensor, op: Any = None, name: str | None = None,
-                         process_set: Any = None) -> Any:
-    _check_process_set(process_set)
-    return submit_reduce_scatter(tensor, _op(None, op), name=name or "reduce_scatter_async")
+                         process_set: Any = None) -> Handle:
+    return _reduce_scatter(tensor, op, name, process_set, True)
 
 
 # --------------------------------------------------------------- join, barrier
 def barrier(process_set: Any = None) -> None:
-    _check_process_set(process_set)
-    run_barrier()
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        return Planned(Call(ng.BARRIER), lambda r: None)
+
+    submit(ng.BARRIER, None, plan, async_=False, label="barrier")
 
 
 def join(device: int = -1) -> int:
@@ -389,12 +519,57 @@ def join(device: int = -1) -> int:
 # ------------------------------------------------------------------- objects
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
-    _check_process_set(process_set)
-    check_object_collective("broadcast_object", root_rank)
-    return collectives.broadcast_object(obj, root_rank)
+    """``root_rank``'s ``obj`` on every rank (pickled; tensors included): one call, whose
+    exchange also carries the root's payload length."""
+
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        root = _root(root_rank)
+        payload = collectives.dumps(obj) if ddl.rank() == root else None
+
+        def data(r: np.ndarray) -> np.ndarray:
+            buf = (payload if payload is not None
+                   else np.empty(int(r[ng.PAYLOAD]), dtype=np.uint8))
+            _api._plan_broadcast(buf, root, True)()
+            return buf
+
+        def finish(buf: np.ndarray) -> Any:
+            return obj if payload is not None else collectives.loads(buf)
+
+        return Planned(Call(ng.BROADCAST_OBJECT, arg=root, name=name), data, finish,
+                       payload=0 if payload is None else payload.size)
+
+    return submit(ng.BROADCAST_OBJECT, name, plan, async_=False,
+                  label=name or "broadcast_object")
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
-    _check_process_set(process_set)
-    check_object_collective("allgather_object")
-    return collectives.allgather_object(obj)
+    """Every rank's ``obj``, in rank order."""
+
+    def plan() -> Planned:
+        _check_process_set(process_set)
+        payload = collectives.dumps(obj)
+
+        def data(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            lengths = _api._plan_allgather(np.asarray([payload.size], dtype=np.int64))()
+            return lengths, _api._plan_allgather(payload)()
+
+        def finish(got: tuple[np.ndarray, np.ndarray]) -> list[Any]:
+            out, off = [], 0
+            for n in got[0].tolist():
+                out.append(collectives.loads(got[1][off:off + n]))
+                off += n
+            return out
+
+        return Planned(Call(ng.ALLGATHER_OBJECT, name=name), data, finish)
+
+    return submit(ng.ALLGATHER_OBJECT, name, plan, async_=False,
+                  label=name or "allgather_object")
+
+
+# ------------------------------------------------------------------ lifecycle
+def shutdown_exchange() -> None:
+    """``hvd.shutdown()``'s collective step: every rank has finished the calls before it,
+    and a rank still inside another collective hears that this one shuts down."""
+    submit(ng.SHUTDOWN, None, lambda: Planned(Call(ng.SHUTDOWN), lambda r: None),
+           async_=False, label="shutdown")

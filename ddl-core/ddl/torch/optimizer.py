@@ -8,8 +8,9 @@ launches what is left, waits, and unpacks the averaged gradients into ``p.grad``
 
 Buckets come from :mod:`ddl.torch.fusion` and are launched strictly in plan order, which is
 what keeps every rank's sequence of collectives identical without a coordinator. Each bucket
-allreduce goes through :mod:`ddl.torch.join`, so ranks that called ``hvd.join()`` (out of
-data) contribute zeros and the others finish their epoch (Horovod's uneven-data rule).
+allreduce is one negotiated call (:mod:`ddl.torch.negotiate`), so ranks that called
+``hvd.join()`` (out of data) contribute zeros and the others finish their epoch (Horovod's
+uneven-data rule), and a bucket that differs between ranks raises on every rank.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import ddl
 
 from . import fusion
 from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
-from .join import Ready, broadcast_plan, register_optimizer, submit_allreduce
+from .join import broadcast_plan, register_optimizer
+from .mpi_ops import submit_allreduce
+from .negotiate import ALLREDUCE, Ready, fail_here
 from .settings import cycle_time_ms as _default_cycle_ms
 from .settings import fusion_threshold_bytes as _default_threshold
 
@@ -320,8 +323,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, b: int) -> None:
         bucket = self._plan[b]
         dtype, device = bucket.key
-        grads = self._grads(bucket)
         name = f"grad.bucket{b}"
+        try:
+            grads = self._grads(bucket)
+        except Exception as exc:
+            # the bucket's allreduce still takes part in the exchange, so the other ranks'
+            # raises too instead of waiting for this one
+            fail_here(ALLREDUCE, exc, name, async_=not self._inline)
+            raise
         if device == "cpu" and self._direct and all(g.dtype == dtype for g in grads):
             self._launch_direct(b, bucket, grads, name)
             return

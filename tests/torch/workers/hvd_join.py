@@ -6,7 +6,8 @@
   after each, against an in-process reference of Horovod's rule (joined ranks contribute
   zero gradients, the average divides by N);
 - collectives: allreduce Sum/Average/Min/Max/Product (+ async, in place, grouped, scaled),
-  allgather, broadcast, reduce_scatter, alltoall and barrier while ranks have joined, each
+  allgather (+ grouped), broadcast (+ broadcast_parameters), reduce_scatter, alltoall and
+  barrier while ranks have joined, each
   against numpy with joined ranks' contributions zero/empty; broadcast from a joined root
   and the object collectives raise at once; join's return value;
 - mismatch: ranks calling allreduce with different shapes/ops, or different collectives,
@@ -189,8 +190,19 @@ def check_running(ok, active, tag):
     ga = hvd.allgather(torch.full((R + 1, 3), float(R)))
     want = np.concatenate([np.full((r + 1, 3), float(r)) for r in active])
     ok[f"{tag}allgather"] = np.array_equal(ga.numpy(), want)
+    # a grouped allgather is one call: the joined ranks learn its layout from the lowest
+    # running rank and contribute no rows to any member
+    gg = hvd.grouped_allgather([torch.full((R + 1, 3), float(R)), torch.full((1,), float(R))])
+    ok[f"{tag}grouped_allgather"] = (np.array_equal(gg[0].numpy(), want) and np.array_equal(
+        gg[1].numpy(), np.asarray(active, dtype=np.float32)))
     # broadcast from a running root: the joined ranks take part and drop the data
     root = active[-1]
+    net = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(float(R))
+    hvd.broadcast_parameters(net.state_dict(), root_rank=root)
+    ok[f"{tag}broadcast_parameters"] = all(bool((p == root).all()) for p in net.parameters())
     ok[f"{tag}broadcast_running_root"] = np.array_equal(
         hvd.broadcast(torch.full((2, 3), float(R)), root_rank=root).numpy(),
         np.full((2, 3), float(root)))
@@ -270,6 +282,12 @@ def mismatch():
             res = raises(lambda: hvd.allreduce(torch.ones(2 + R)), "hvd.join()",
                          "float32[3]", "float32[4]")
             ok["with_joined"] = res["ok"]
+            # a call that fails on the last rank only (int with Average) fails on every
+            # running rank; the joined one serves on
+            res = raises(lambda: hvd.allreduce(
+                torch.ones(2, dtype=torch.int32) if R == N - 1 else torch.ones(2)),
+                "Average is not defined")
+            ok["failure_with_joined"] = res["ok"] and (R == N - 1 or "failed here" in res["msg"])
             ok["with_joined_then_sum"] = float(hvd.allreduce(torch.ones(1), op=hvd.Sum)) == N - 1
             hvd.join()
     return ok

@@ -1,0 +1,629 @@
+"""The identity exchange every Horovod-level collective of ``ddl.torch`` starts with.
+
+The ddl core has no coordinator: ranks run collectives in the order they submit them, so a
+rank that issued another collective, or one call fewer, would pair its data with the wrong
+partner call. So every Horovod-level call is exactly one *negotiated* call, whatever happens
+on this rank. Inside the same queued work as its data (so async calls keep their order),
+before any data moves, every rank takes part in one small allreduce (MAX) of an int64
+descriptor:
+
+- agreed words: what the call is (kind, op, dtype, numel, shape, root or argument, scale
+  factors, a per-call sequence number, the name the user gave (a stable hash), the process
+  set, and for a grouped call the member count and a hash of every member's dtype, device
+  and shape), then the same words negated, so the MAX gives both the largest and (negated)
+  the smallest value of each: any difference between ranks is seen by every rank at once;
+- info words: whether this rank is the root, has joined (join.py) or failed here, minus its
+  rank (so the MAX names the lowest running rank), its own first dimension, a payload
+  length (``broadcast_object``).
+
+A call that fails on this rank before its data moves (an op its dtype lacks, a bad root or
+splits, compression, a duplicate name, anything raised while planning) still takes part,
+marked FAILED, so that every rank raises together: this rank its own error, the others a
+``DDLMismatchError`` naming it. A mismatch or a failure costs two allgathers more (every
+rank's descriptor, and a line describing its call) that the message is built from; then
+every rank adopts the largest sequence number seen, and the job goes on.
+
+Cost: one allreduce of ``_LEN`` int64 words per call; a grouped call, or a fused gradient
+bucket of the DistributedOptimizer, is one call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import ddl
+from ddl import api as _api
+from ddl import dtypes as _dtypes
+from ddl import tensors as _tensors
+
+# ----------------------------------------------------------------- descriptor layout
+KIND, OP, DTYPE, NUMEL, ARG, NDIM = range(6)
+DIMS = 6
+MAX_DIMS = 8  # shapes of up to this many dimensions travel exactly
+PRE = DIMS + MAX_DIMS
+POST = PRE + 1
+SEQ = POST + 1  # the call's number in this rank's sequence of Horovod-level calls
+NAME = SEQ + 1  # stable hash of the name the user gave, 0 without one
+GROUP = NAME + 1  # the process set (0: the global one, the only one today)
+COUNT = GROUP + 1  # members of a grouped call
+LAYOUT = COUNT + 1  # stable hash of the members' dtypes, devices and shapes
+_AGREED = LAYOUT + 1  # words every running rank must agree on; the next _AGREED are negated
+ROOT_HERE = 2 * _AGREED  # 1 on a running rank that is the root of this broadcast
+JOINED = ROOT_HERE + 1  # 1 on a joined rank
+LOWEST = ROOT_HERE + 2  # -rank on a running rank: the MAX is minus the lowest running rank
+DIM0 = ROOT_HERE + 3  # this rank's own first dimension (allgather/alltoall)
+FAILED = ROOT_HERE + 4  # 1 on a rank whose call failed before its data moved
+PAYLOAD = ROOT_HERE + 5  # the root's payload length (broadcast_object), 0 elsewhere
+_LEN = ROOT_HERE + 6
+SENTINEL = -(1 << 62)
+_INT64 = _dtypes.BY_NAME["int64"]
+
+# kinds
+(ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, BARRIER, BROADCAST_OBJECT,
+ ALLGATHER_OBJECT, PLAN, GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST,
+ SHUTDOWN) = range(1, 14)
+NAMES = {
+    ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
+    REDUCE_SCATTER: "reduce_scatter", ALLTOALL: "alltoall", BARRIER: "barrier",
+    BROADCAST_OBJECT: "broadcast_object", ALLGATHER_OBJECT: "allgather_object",
+    PLAN: "DistributedOptimizer plan broadcast", GROUPED_ALLREDUCE: "grouped_allreduce",
+    GROUPED_ALLGATHER: "grouped_allgather", GROUPED_BROADCAST: "broadcast_parameters",
+    SHUTDOWN: "shutdown",
+}
+REDUCING = (ALLREDUCE, REDUCE_SCATTER, GROUPED_ALLREDUCE)
+ROOTED = (BROADCAST, BROADCAST_OBJECT, GROUPED_BROADCAST)
+GATHERING = (ALLGATHER, ALLTOALL)  # the first dimension may differ between ranks
+GROUPED = (GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST)
+OBJECTS = (BROADCAST_OBJECT, ALLGATHER_OBJECT)  # need every rank's data: not after join
+# A joined rank rebuilds these shapes from the descriptor or the layout, which fold the
+# dimensions past MAX_DIMS; the engines compare the real shapes, so such calls cannot be
+# served. Grouped allreduce moves flat buffers: any shape is fine.
+_EXACT_SHAPES = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, GROUPED_ALLGATHER,
+                 GROUPED_BROADCAST)
+_MEMBER = 3 + MAX_DIMS  # layout words per member: dtype code, device, ndim, dims
+_JOINED_NOTE = "hvd.join() (finished, serving the others)"
+
+
+class _State:
+    """This process's side of the protocol, for one ``init()`` generation."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # Horovod-level calls issued here, each one exchange
+        self.skew = 0  # added to ``calls`` on the wire: what re-synchronising moves
+        self.count = 0  # control exchanges done, joined ones included: a job position
+        self.observed = -1  # the latest call whose end the program has waited for
+        self.names: dict[str, tuple[int, int]] = {}  # user-given name -> (call, kind)
+        self.templates: dict[tuple, np.ndarray] = {}
+        self.broken: BaseException | None = None  # the engine failed or a peer shut down
+        self.lock = threading.Lock()
+
+
+_state = _State()
+_name_words: dict[str, int] = {}
+
+
+def reset() -> None:
+    """Forget everything of the previous ``init()`` (re-init after ``shutdown()``)."""
+    global _state
+    _state = _State()
+
+
+def broken() -> BaseException | None:
+    """The failure that left this generation unusable (engine error, a peer shut down)."""
+    return _state.broken
+
+
+def calls_issued() -> int:
+    return _state.calls
+
+
+# ----------------------------------------------------------------- call identity
+def stable_hash(data: bytes) -> int:
+    """62 bits of BLAKE2b: the same on every rank and run (Python's hash() is salted), and
+    inside the range where the descriptor's negation trick works."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _name_word(name: str | None) -> int:
+    if name is None:
+        return 0
+    w = _name_words.get(name)
+    if w is None:
+        if len(_name_words) > 4096:
+            _name_words.clear()
+        w = _name_words[name] = stable_hash(name.encode("utf-8", "surrogatepass")) | 1
+    return w
+
+
+def _fold(shape: Sequence[int]) -> list[int]:
+    dims = [int(s) for s in shape]
+    if len(dims) > MAX_DIMS:
+        dims = dims[: MAX_DIMS - 1] + [int(np.prod(dims[MAX_DIMS - 1:], dtype=np.int64))]
+    return dims
+
+
+def layout(members: Sequence[tuple[int, int, tuple[int, ...]]], gathering: bool) -> bytes:
+    """A grouped call's ``(dtype code, device, shape)`` members as int64 rows (the bytes of
+    them: ``Call.members()`` reads them back). With ``gathering`` the first dimensions
+    (which may differ between ranks) are left out."""
+    rows = np.zeros((len(members), _MEMBER), dtype=np.int64)
+    for i, (code, device, shape) in enumerate(members):
+        dims = _fold(shape)
+        if gathering and dims:
+            dims[0] = 0
+        rows[i, 0], rows[i, 1], rows[i, 2] = code, device, len(shape)
+        rows[i, 3:3 + len(dims)] = dims
+    return rows.tobytes()
+
+
+def buckets(rows: np.ndarray) -> list[list[int]]:
+    """Members of a grouped allreduce that share one fused allreduce: same dtype and device,
+    in order of first appearance (running and joined ranks both cut them from the layout)."""
+    by_key: dict[tuple[int, int], list[int]] = {}
+    for i in range(rows.shape[0]):
+        by_key.setdefault((int(rows[i, 0]), int(rows[i, 1])), []).append(i)
+    return list(by_key.values())
+
+
+def member_shape(rows: np.ndarray, i: int) -> tuple[int, ...]:
+    nd = min(int(rows[i, 2]), MAX_DIMS)
+    return tuple(int(x) for x in rows[i, 3:3 + nd])
+
+
+def code_of(x: Any) -> int:
+    if _tensors.is_torch(x):
+        return _tensors.dtype_of(x).code
+    return _dtypes.from_numpy(np.asarray(x).dtype).code
+
+
+def device_of(x: Any) -> int:
+    dev = getattr(x, "device", None)
+    if dev is None or dev.type in ("cpu", "meta"):
+        return 0
+    return 1 + (dev.index or 0)
+
+
+def _scale_bits(x: float) -> int:
+    """A float as an int64 inside the descriptor's range (loses the 2 lowest bits)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0] >> 2
+
+
+def _bits_scale(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(b) << 2))[0]
+
+
+class Call(NamedTuple):
+    """What one Horovod-level call is: its descriptor and the line that names it. A tuple,
+    so that it is cheap to make and is itself the key of the descriptor cache."""
+
+    kind: int
+    op: int = 0
+    code: int = 0
+    shape: tuple[int, ...] = ()
+    arg: int = 0
+    pre: float = 1.0
+    post: float = 1.0
+    name: str | None = None
+    count: int = 0  # grouped calls: members, their total numel and largest ndim, layout
+    numel: int = 0
+    ndim: int = 0
+    layout: bytes = b""
+    known: bool = True  # False: planning failed, only the kind and the name are known
+
+    def members(self) -> np.ndarray:
+        """The layout rows of a grouped call (see :func:`layout`)."""
+        return np.frombuffer(self.layout, dtype=np.int64).reshape(-1, _MEMBER)
+
+    def describe(self) -> str:
+        fn = NAMES.get(self.kind, f"collective #{self.kind}")
+        if not self.known:
+            return f"hvd.{fn}" + (f"(name={self.name!r})" if self.name is not None else "")
+        parts = []
+        if self.kind in GROUPED:
+            rows = self.members()
+            shown = [_tensor_text(int(rows[i, 0]), member_shape(rows, i), int(rows[i, 2]),
+                                  self.kind == GROUPED_ALLGATHER)
+                     for i in range(min(self.count, 6))]
+            more = ", ..." if self.count > 6 else ""
+            parts.append(f"{self.count} tensors: {', '.join(shown)}{more}")
+        elif self.code:
+            parts.append(_tensor_text(self.code, tuple(self.shape), len(self.shape)))
+        if self.kind in REDUCING and self.op:
+            parts.append(f"op={ddl.ReduceOp(self.op).name.title()}")
+        if self.pre != 1.0 or self.post != 1.0:
+            parts.append(f"prescale={self.pre:g}, postscale={self.post:g}")
+        if self.kind in ROOTED:
+            parts.append(f"root_rank={self.arg}")
+        if self.name is not None:
+            parts.append(f"name={self.name!r}")
+        if self.kind == PLAN:
+            return f"{fn}({', '.join(parts)})"
+        return f"hvd.{fn}({', '.join(parts)})"
+
+
+def _tensor_text(code: int, shape: tuple[int, ...], ndim: int, gathered: bool = False) -> str:
+    dt = _dtypes.BY_CODE.get(code)
+    dims = [str(d) for d in shape]
+    if gathered and dims:
+        dims[0] = "*"
+    text = "x".join(dims) + ("(folded)" if ndim > MAX_DIMS else "")
+    return f"{dt.name if dt else '?'}[{text or 'scalar'}]"
+
+
+def _template(call: Call, failed: bool) -> np.ndarray:
+    """This running rank's descriptor of ``call`` before its sequence number and payload
+    are filled in (cached: callers copy it)."""
+    key = (call, failed)
+    d = _state.templates.get(key)
+    if d is not None:
+        return d
+    rank = ddl.rank()
+    kind = call.kind
+    words = [0] * _AGREED
+    words[KIND], words[OP], words[ARG] = kind, int(call.op), int(call.arg)
+    words[PRE], words[POST] = _scale_bits(call.pre), _scale_bits(call.post)
+    words[NAME], words[COUNT] = _name_word(call.name), call.count
+    words[LAYOUT] = stable_hash(call.layout) if call.layout else 0
+    dim0 = 0
+    if kind in GROUPED:
+        words[NUMEL], words[NDIM] = call.numel, call.ndim
+    else:
+        words[DTYPE] = call.code
+        dims = _fold(call.shape)
+        dim0 = dims[0] if dims else 0
+        if kind in GATHERING and dims:
+            dims[0] = 0  # may differ between ranks
+        words[NDIM] = len(call.shape)
+        words[DIMS:DIMS + len(dims)] = dims
+        if kind not in GATHERING:
+            words[NUMEL] = int(np.prod(call.shape, dtype=np.int64))
+    info = [1 if kind in ROOTED and call.arg == rank else 0, 0, -rank, dim0, int(failed), 0]
+    d = np.array(words + [-w for w in words] + info, dtype=np.int64)
+    if len(_state.templates) > 4096:
+        _state.templates.clear()
+    _state.templates[key] = d
+    return d
+
+
+def _mine(call: Call, failed: bool, word: int, payload: int) -> np.ndarray:
+    d = _template(call, failed).copy()
+    d[SEQ], d[SEQ + _AGREED], d[PAYLOAD] = word, -word, payload
+    return d
+
+
+def joined_descriptor() -> np.ndarray:
+    d = np.full(_LEN, SENTINEL, dtype=np.int64)
+    d[JOINED] = 1
+    return d
+
+
+# ------------------------------------------------------------------- the exchange
+def _engine(fn: Callable, *args: Any) -> Any:
+    """Run an engine step; an engine failure (a peer died or shut down, a timeout) leaves
+    this generation unusable, which ``hvd.init()`` then repairs."""
+    try:
+        return fn(*args)
+    except (ddl.DDLMismatchError, ddl.DDLConfigError):
+        raise  # the engine is still in step
+    except ddl.DDLError as exc:
+        _state.broken = exc
+        raise
+
+
+def exchange(d: np.ndarray) -> np.ndarray:
+    """The control allreduce, in place on ``d`` (a fresh descriptor). Runs on the thread
+    that runs the queued work. It goes straight to the job's engine: the descriptor is a
+    small host array of one dtype, so none of the core's planning applies to it."""
+    engine = _api._engine
+    if engine is None:
+        raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
+    _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
+    _state.count += 1
+    return d
+
+
+def problem(r: np.ndarray) -> bool:
+    """Whether the exchange found something the call cannot run with. Every rank decides
+    from the same ``r``, so all take the error path together."""
+    if r[FAILED] == 1:
+        return True
+    if (r[:_AGREED] + r[_AGREED:2 * _AGREED]).any():  # max != min among running ranks
+        return True
+    kind = int(r[KIND])
+    if kind in ROOTED and r[ROOT_HERE] != 1:  # the root has joined
+        return True
+    if r[JOINED] == 1:
+        return kind in OBJECTS or (kind in _EXACT_SHAPES and r[NDIM] > MAX_DIMS)
+    return False
+
+
+def diagnose(mine: np.ndarray, note: str) -> tuple[np.ndarray, list[str]]:
+    """Every rank's descriptor and the line describing its call (the error path only)."""
+    text = note.encode("utf-8", "replace")[:1500] or b"?"
+    row = np.append(mine, len(text)).reshape(1, _LEN + 1)
+    rows = _engine(_api._plan_allgather(row))
+    data = _engine(_api._plan_allgather(np.frombuffer(text, dtype=np.uint8).copy()))
+    notes, at = [], 0
+    for n in rows[:, _LEN].tolist():
+        notes.append(bytes(data[at:at + n]).decode("utf-8", "replace"))
+        at += n
+    return rows[:, :_LEN], notes
+
+
+def share_layout(r: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """A grouped call while some rank has joined: the lowest running rank broadcasts the
+    layout, which the joined ranks serve from (``rows`` None on a joined rank)."""
+    buf = (np.zeros((int(r[COUNT]), _MEMBER), dtype=np.int64) if rows is None
+           else rows.copy())
+    _engine(_api._plan_broadcast(buf, int(-r[LOWEST]), True))
+    return buf
+
+
+def _note(call: Call, failed: BaseException | None) -> str:
+    text = call.describe()
+    if failed is not None:
+        detail = str(failed).splitlines()[0] if str(failed) else ""
+        text += f" failed here: {type(failed).__name__}: {detail[:300]}"
+    return text
+
+
+def _negotiate(call: Call, seq: int, payload: int, failed: BaseException | None
+               ) -> np.ndarray | None:
+    """A running rank's control step. Returns the exchange's result; raises the agreed
+    error, or returns None after the error path when ``failed`` (the caller raises it)."""
+    word = seq + _state.skew
+    r = exchange(_mine(call, failed is not None, word, payload))  # a fresh copy
+    if not problem(r):
+        if r[JOINED] == 1 and call.kind in GROUPED:
+            share_layout(r, call.members())
+        return r
+    rows, notes = diagnose(_mine(call, failed is not None, word, payload),
+                           _note(call, failed))
+    if r[SEQ] != -r[SEQ + _AGREED]:
+        # Ranks are at different points of their sequences (a call that never reached the
+        # exchange somewhere): all adopt the largest, so the next calls line up again.
+        _state.skew += int(r[SEQ]) - word
+    me = ddl.rank()
+    if any(int(row[KIND]) == SHUTDOWN for i, row in enumerate(rows) if i != me) and (
+            call.kind != SHUTDOWN):
+        _state.broken = ddl.DDLPeerError(f"rank {me}: a peer called hvd.shutdown()")
+    if failed is not None:
+        return None
+    raise error(rows, notes, r)
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
+
+
+def error(rows: np.ndarray, notes: list[str], r: np.ndarray) -> ddl.DDLError:
+    me = ddl.rank()
+    joined = [i for i, row in enumerate(rows) if row[JOINED] == 1]
+    failed = [i for i, row in enumerate(rows) if row[FAILED] == 1]
+    seqs = {int(row[SEQ]) for row in rows if row[JOINED] != 1}
+
+    def line(i: int) -> str:
+        if i in joined:
+            return _JOINED_NOTE
+        return notes[i] + (f" (call #{int(rows[i][SEQ])})" if len(seqs) > 1 else "")
+
+    groups: dict[str, list[int]] = {}
+    for i in range(len(rows)):
+        groups.setdefault(line(i), []).append(i)
+    lines = "\n".join(f"  {_ranks(rs)}: {d}" for d, rs in groups.items())
+    if failed:
+        return ddl.DDLMismatchError(
+            f"rank {me}: the call failed on {_ranks(failed)} before its data moved, so it "
+            f"fails on every rank:\n{lines}"
+        )
+    if (r[:_AGREED] + r[_AGREED:2 * _AGREED]).any():
+        return ddl.DDLMismatchError(
+            f"rank {me}: ranks issued different collectives at the same point of their "
+            "sequence (every rank must issue the same hvd collectives in the same order, with "
+            f"the same dtype, shape, op, root and name):\n{lines}"
+        )
+    kind = int(r[KIND])
+    fn = NAMES.get(kind, str(kind))
+    if kind in ROOTED and r[ROOT_HERE] != 1:
+        root = int(r[ARG])
+        return ddl.DDLError(
+            f"rank {me}: hvd.{fn} from root_rank {root}, but rank {root} has already "
+            f"called hvd.join() and has no data to send (joined: {_ranks(joined)}); broadcast "
+            "before join, or from a rank that is still running"
+        )
+    if kind in OBJECTS:
+        return ddl.DDLError(
+            f"rank {me}: hvd.{fn} needs every rank's data, but {_ranks(joined)} "
+            "already called hvd.join(); call it before join() or after join() returns"
+        )
+    return ddl.DDLError(
+        f"rank {me}: hvd.{fn} of a tensor with {int(r[NDIM])} dimensions cannot be served "
+        f"by joined ranks ({_ranks(joined)}): at most {MAX_DIMS} dimensions travel in the "
+        "join descriptor; reshape it first"
+    )
+
+
+# ------------------------------------------------------------------ submitting
+class Planned(NamedTuple):
+    """A call ready to queue: its identity, its data step (given the exchange's result),
+    what to do with the result on ``wait()``, work to run right before the exchange on the
+    worker thread (packing a fusion buffer), and the payload length it announces."""
+
+    call: Call
+    data: Callable[[np.ndarray], Any]
+    finish: Callable[[Any], Any] | None = None
+    before: Callable[[], None] | None = None
+    payload: int = 0
+
+
+class Handle:
+    """An ``*_async`` result: ``wait()`` returns it, after any post-processing (scaling,
+    decompression, copies); ``poll()`` says whether it is ready."""
+
+    __slots__ = ("_inner", "_finish", "_seq", "_done", "_value", "name")
+
+    def __init__(self, inner: Any, seq: int, finish: Callable[[Any], Any] | None = None,
+                 name: str = "") -> None:
+        self._inner, self._seq, self._finish, self.name = inner, seq, finish, name
+        self._done, self._value = False, None
+
+    def poll(self) -> bool:
+        return self._done or self._inner.poll()
+
+    def wait(self) -> Any:
+        if not self._done:
+            try:
+                value = self._inner.wait()
+            finally:
+                observe(self._seq)
+            self._value = self._finish(value) if self._finish else value
+            self._done = True
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"<ddl.torch.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
+
+
+class Ready:
+    """A handle for work already finished on this thread."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._value
+
+
+def next_seq() -> int:
+    with _state.lock:
+        seq = _state.calls
+        _state.calls += 1
+    return seq
+
+
+def observe(seq: int) -> None:
+    """The program has waited for call ``seq`` (so for every earlier one too: queued work
+    finishes in order). Names are freed by this, not by the work finishing, which depends on
+    timing and would differ between ranks."""
+    if seq > _state.observed:
+        _state.observed = seq
+
+
+def _check_name(name: str, kind: int) -> None:
+    fn = NAMES.get(kind, "collective")
+    if not isinstance(name, str):
+        raise ddl.DDLConfigError(f"hvd.{fn}: name must be a str, got {name!r}")
+    held = _state.names.get(name)
+    if held is not None and held[0] > _state.observed:
+        raise ddl.DDLConfigError(
+            f"hvd.{fn}: Duplicate name {name!r}: an operation with this name is still in "
+            f"flight (hvd.{NAMES.get(held[1], '?')}, call #{held[0]}, not yet synchronized). "
+            "As in Horovod, names of in-flight operations must be unique: synchronize the "
+            "earlier one first, or use another name"
+        )
+
+
+def _claim(name: str, seq: int, kind: int) -> None:
+    names = _state.names
+    if len(names) > 4096:
+        observed = _state.observed
+        for k in [k for k, (s, _) in names.items() if s <= observed]:
+            del names[k]
+    names[name] = (seq, kind)
+
+
+def _job(p: Planned, seq: int, failure: BaseException | None = None) -> Callable[[], Any]:
+    call, data, before, payload = p.call, p.data, p.before, p.payload
+
+    def job():
+        failed = failure
+        if before is not None and failed is None:
+            try:
+                before()
+            except Exception as exc:  # noqa: BLE001 - the peers must hear of any failure
+                failed = exc
+        if failed is None:
+            r = _negotiate(call, seq, payload, None)
+            return _engine(data, r)
+        try:
+            _negotiate(call, seq, payload, failed)
+        except Exception:  # noqa: BLE001, S110 - this rank raises its own error below
+            pass
+        if failure is None:
+            raise failed  # ``before`` failed: whoever waits for the handle gets it
+        return None  # planning failed: the caller has raised it already
+
+    return job
+
+
+def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: bool,
+           label: str) -> Any:
+    """Plan a call and queue it with its control step. ``plan`` runs here, on the caller's
+    thread, and whatever it raises still takes part in the exchange (marked FAILED) before
+    it propagates. Returns a :class:`Handle` when ``async_``, else the finished result."""
+    if not ddl.is_initialized():
+        raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
+    seq = next_seq()
+    try:
+        if name is not None:
+            _check_name(name, kind)
+        p = plan()
+    except Exception as exc:
+        _fail(Call(kind, name=name if isinstance(name, str) else None, known=False), seq, exc,
+              async_, label)
+        raise
+    if name is not None:
+        _claim(name, seq, kind)
+    job = _job(p, seq)
+    if async_:
+        return Handle(_api._dispatch(job, label, True), seq, p.finish, label)
+    try:
+        out = _api._dispatch(job, label, False)
+    finally:
+        observe(seq)
+    return p.finish(out) if p.finish is not None else out
+
+
+def fail_here(kind: int, exc: BaseException, label: str, *, async_: bool) -> None:
+    """A call of ``kind`` failed here before it could be planned (``exc``): it takes part
+    in the exchange all the same, so the other ranks' call raises too. The caller raises."""
+    if ddl.is_initialized():
+        _fail(Call(kind, known=False), next_seq(), exc, async_, label)
+
+
+def _fail(call: Call, seq: int, exc: BaseException, async_: bool, label: str) -> None:
+    """Take part in the exchange for a call that failed here; blocking calls wait for it, so
+    every rank raises at the same point. Raises nothing."""
+    if not ddl.is_initialized():
+        return
+    job = _job(Planned(call, lambda r: None), seq, failure=exc)
+    try:
+        _api._dispatch(job, label, async_)
+    except Exception:  # noqa: BLE001, S110 - the caller raises ``exc``
+        pass
+    finally:
+        if not async_:
+            observe(seq)
+
+
+def resync_after_join(next_seqs: Sequence[int]) -> None:
+    """After ``join()`` returns everywhere: ranks that served calls while joined did not
+    count them; all continue from the largest next sequence number."""
+    _state.skew += max(int(s) for s in next_seqs) - (_state.calls + _state.skew)
+
+
+def next_word() -> int:
+    return _state.calls + _state.skew
+
+
+def count() -> int:
+    return _state.count

@@ -1,0 +1,140 @@
+"""Ranks out of step never give a wrong result (2 and 3 real processes): every Horovod-level
+call is one negotiated call, a failure on one rank raises on every rank, the job goes on
+after a mismatch, and shutdown()/init() cycle. See workers/hvd_safety.py for each part; one
+job per rank count, the tests read its report. The soak test mixes 1,000 random calls with
+errors injected on single ranks."""
+
+import pytest
+from torch_util import reports, run_worker
+
+FAST = 10.0  # seconds: an error on every rank at once, not after DDL_TIMEOUT (20 s) ran out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def job(request):
+    n = request.param
+    return n, reports(run_worker("hvd_safety.py", n, env={"DDL_TIMEOUT": "20"}, timeout=240))
+
+
+@pytest.mark.timeout(300)
+def test_grouped_allreduce_is_differentiable(job):
+    n, reps = job
+    for r in reps:
+        g = r["grouped_grad"]
+        assert "error" not in g, g.get("error")
+        assert g["values"] and g["requires_grad"] and g["inplace"] and g["in_step"], g
+        assert g["grad_sum"] == [n, 2 * n]  # the grouped allreduce (Sum) of the gradients
+        assert g["grad_per_output"] == [n] * 3
+        assert g["grad_average"] == [1.0, 1.0]
+        assert g["allreduce_grad"] == n
+
+
+LOCAL = ["int_average", "bad_root", "bad_splits", "compression", "not_a_tensor",
+         "async_bad_op", "optimizer_sparse"]
+AGREED = ["dtype", "grouped_layout", "grouped_allgather_layout", "name", "model"]
+OWN_ERROR = {"int_average": "DDLConfigError", "bad_root": "DDLConfigError",
+             "bad_splits": "DDLConfigError", "compression": "RuntimeError",
+             "not_a_tensor": "AttributeError", "async_bad_op": "DDLConfigError",
+             "optimizer_sparse": "DDLConfigError"}
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_on_one_rank_raises_on_every_rank_at_once(job):
+    n, reps = job
+    victim = n - 1
+    for rank, r in enumerate(reps):
+        f = r["failures"]
+        assert "error" not in f, f.get("error")
+        for case in LOCAL + AGREED:
+            got = f[case]
+            assert got is not None, (rank, case, "did not raise")
+            assert got["seconds"] < FAST, (rank, case, got)
+            assert f[f"{case}_in_step"], (rank, case)  # and the job goes on
+        for case in LOCAL:
+            got = f[case]
+            if rank == victim:  # its own error
+                assert got["type"] == OWN_ERROR[case], (case, got)
+            else:  # names the rank that failed and what it failed with
+                assert got["type"] == "DDLMismatchError", (rank, case, got)
+                assert f"rank {victim}: hvd." in got["msg"] and "failed here" in got["msg"], got
+        for case in AGREED:
+            assert f[case]["type"] == "DDLMismatchError", (rank, case, f[case])
+        assert "Average is not defined for int32" in f["int_average"]["msg"]
+        assert f"root_rank {n} is outside" in f["bad_root"]["msg"]
+        assert "name='a'" in f["name"]["msg"] and "name='b'" in f["name"]["msg"]
+        assert f"rank {victim}: hvd.grouped_allreduce(3 tensors" in f["grouped_layout"]["msg"]
+        assert "broadcast_parameters(2 tensors: float32[4]" in f["model"]["msg"]
+
+
+@pytest.mark.timeout(300)
+def test_calls_out_of_step_raise_then_every_result_is_right(job):
+    n, reps = job
+    victim = n - 1
+    for rank, r in enumerate(reps):
+        o = r["out_of_step"]
+        assert "error" not in o, o.get("error")
+        for case in ("raised_before", "duplicate_one_rank", "mismatch"):
+            assert o[case] is not None and o[case]["seconds"] < FAST, (rank, case, o[case])
+        dup = o["duplicate_one_rank"]
+        if rank == victim:
+            assert dup["type"] == "DDLConfigError" and "Duplicate name 'left'" in dup["msg"]
+        else:
+            assert dup["type"] == "DDLMismatchError" and "Duplicate name" in dup["msg"], dup
+        assert o["left_over"] is None  # the async broadcast left over still completes
+        assert o["checked"] == [True] * 20, o["checked"]
+
+
+@pytest.mark.timeout(300)
+def test_duplicate_names_raise_value_error_on_every_rank_as_in_horovod(job):
+    n, reps = job
+    for r in reps:
+        d = r["names"]
+        assert "error" not in d, d.get("error")
+        for kind in ("allreduce", "allgather", "broadcast"):
+            got = d[kind]
+            # Horovod's tests: the second in-flight use raises ValueError at once
+            assert got is not None and got["value_error"] and got["at"] == 0, (kind, got)
+            assert "Duplicate name 'duplicate_name'" in got["msg"]
+            assert d[f"{kind}_in_step"]
+        assert d["reuse_after_synchronize"]
+
+
+@pytest.mark.timeout(300)
+def test_shutdown_while_a_peer_is_in_a_collective_then_init_again(job):
+    n, reps = job
+    for rank, r in enumerate(reps):
+        s = r["shutdown"]
+        assert "error" not in s, s.get("error")
+        for quitter in sorted({0, n - 1}):
+            if rank != quitter:
+                got = s[f"quit{quitter}_peer_error"]
+                assert got["type"] == "DDLMismatchError", got
+                assert f"rank {quitter}: hvd.shutdown()" in got["msg"], got
+            assert s[f"quit{quitter}_in_step"], (rank, quitter)
+            assert s[f"quit{quitter}_seconds"] < 20, s
+
+
+@pytest.mark.timeout(300)
+def test_twenty_shutdown_init_cycles_leak_nothing(job):
+    n, reps = job
+    for r in reps:
+        c = r["cycles"]
+        assert "error" not in c, c.get("error")
+        # per cycle: the collectives were right, and (from the second shutdown on) threads,
+        # file descriptors and this rank's /dev/shm segments are back where they were
+        assert c["checked"] == [True] * 39, c["checked"]
+        assert c["shm_left"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_soak_random_collectives_with_injected_errors_on_3_ranks():
+    reps = reports(run_worker("hvd_soak.py", 3, "1000", env={"DDL_TIMEOUT": "20"},
+                              timeout=240))
+    for r in reps:
+        assert r["calls"] == 1000, r
+        assert r["wrong"] == [], r["wrong"][:5]
+        assert r["unexpected"] == [], r["unexpected"][:5]
+        assert r["injected"] > 50 and r["raised"] >= r["injected"], r
+    # the same calls failed on every rank
+    assert len({tuple(r["failed_at"]) for r in reps}) == 1
