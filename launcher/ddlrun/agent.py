@@ -134,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, action="append", default=[],
                    help="with --probe: check this port (repeatable)")
     p.add_argument("--iface", default=None, help="with --probe: report this interface's address")
+    p.add_argument("--python", default=None,
+                   help="with --probe: check that this interpreter can import ddl")
     args = p.parse_args(argv)
     if args.probe:
         from .preflight import probe
 
-        print(json.dumps(probe(args.port, args.iface)), flush=True)
+        print(json.dumps(probe(args.port, args.iface, args.python)), flush=True)
         return 0
     # Unbuffered: the thread that waits on stdin must hold no buffer lock, or interpreter
     # shutdown aborts the agent ("could not acquire lock for <stdin>"); messages are small.

@@ -1,9 +1,15 @@
 """ddlrun command line: ``build_parser()`` -> ``config_from_args()`` (typed, validated, no
 side effects) -> ``main()`` (preflight, plan, act).
 
-Host precedence: ``-H`` or ``--hostfile`` (not both), else the Slurm/LSF allocation ddlrun
-runs in, else this host (``-n N`` local ranks). ``--launcher auto`` picks slurm/lsf inside an
-allocation, ssh when any host is not this one, local otherwise.
+Host precedence: ``-H`` or ``--hostfile`` (not both), else ``--nnodes N`` (> 1) or
+``--node-rank K`` without hosts: one ddlrun per node, torchrun-style (this host's ranks only,
+``RANK = K * nproc + local``, rendezvous at ``--master-addr``), else the Slurm/LSF allocation
+ddlrun runs in, else this host (``-n N`` local ranks). ``--launcher auto`` picks slurm/lsf
+inside an allocation, ssh when any host is not this one, local otherwise.
+
+Peer launchers' spellings (torchrun, horovodrun, mpirun, DeepSpeed) are aliases of the same
+option, or rejected in one line naming ddlrun's (``_Reject``); options are never
+abbreviated; ``--ddloption``/``--mpiarg`` values may start with '-' (``join_dash_values``).
 
 Side effects live here, not in the planner: the job id, the free port, the job's secret
 (``job_secret_env``) and the sweep of orphaned shared memory at start.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -33,9 +40,10 @@ from .hosts import (
     lsf_hosts,
     parse_host_list,
     parse_hostfile,
+    parse_selection,
     slurm_hosts,
 )
-from .output import OutputSink, log_paths
+from .output import OutputSink, log_paths, silence
 from .plan import (
     SECRET_SOURCES,
     HostFacts,
@@ -62,22 +70,75 @@ from .shm import cleanup, mib, sweep_orphans
 LAUNCHERS = ("auto", "local", "ssh", "mpirun", "slurm", "lsf")
 
 
+class _Reject(argparse.Action):
+    """A peer launcher's flag that ddlrun does not take: one line naming ddlrun's way."""
+
+    def __init__(self, option_strings, dest, message: str = "", **kw) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=argparse.SUPPRESS)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise UsageError(f"{option_string}: {self.message}")
+
+
+def _per_host(text: str) -> int | None:
+    """``--nproc-per-node N``; torchrun's ``gpu``/``auto`` mean ddlrun's default."""
+    if text in ("gpu", "auto"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'gpu' or 'auto', got {text!r}"
+                                         ) from None
+
+
+# options whose value may start with '-' ("--ddloption -dump_iter 100")
+DASH_VALUES = ("--ddloption", "--mpiarg")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddlrun",
         description="Launch a distributed job on this host or many (local, ssh, mpirun, "
         "Slurm, LSF). Every rank gets the torchrun env contract plus DDL_OPTIONS.",
         epilog="example: ddlrun -H h1:4,h2:4 python train.py --epochs 3",
+        allow_abbrev=False,
     )
     a = p.add_argument
     g = p.add_argument_group("where to run")
-    g.add_argument("-n", dest="nproc", type=int, help="total ranks (default: all slots)")
-    g.add_argument("-H", dest="hosts", metavar="HOST[:N],...", help="hosts and slots")
+    g.add_argument("-n", "-np", "--num-proc", dest="nproc", type=int,
+                   help="total ranks (default: all slots)")
+    g.add_argument("-H", "--host", "--hosts", dest="hosts", metavar="HOST[:N],...",
+                   help="hosts and slots")
     g.add_argument("--hostfile", help="file of 'host slots=N' or 'host:N' lines")
-    g.add_argument("--accelerators", type=int, metavar="N",
-                   help="ranks per host (default: slots, else GPUs detected, else 1 or -n)")
+    g.add_argument("--accelerators", "--nproc-per-node", "--nproc_per_node", "--num_gpus",
+                   "--num-gpus", dest="accelerators", type=_per_host, metavar="N",
+                   help="ranks per host (default, also 'gpu' or 'auto' as torchrun spells "
+                   "it: slots, else GPUs detected, else 1 or -n)")
+    g.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", type=int,
+                   metavar="N", help="with -H/--hostfile: use the first N hosts; without: "
+                   "one ddlrun per node, torchrun-style (with --node-rank, --master-addr)")
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, metavar="K",
+                   help="this node's index (0..nnodes-1) when one ddlrun runs per node")
+    g.add_argument("--standalone", action="store_true",
+                   help="torchrun's single-node mode (what ddlrun does without hosts)")
+    g.add_argument("--include", metavar="HOST[:IDS]@...",
+                   help="DeepSpeed-style: only these hosts / GPUs, e.g. 'h1:0,1@h2'")
+    g.add_argument("--exclude", metavar="HOST[:IDS]@...",
+                   help="DeepSpeed-style: not these hosts / GPUs, e.g. 'h1:2'")
+    g.add_argument("--bind-gpus", action="store_true",
+                   help="set CUDA_VISIBLE_DEVICES to each rank's own GPU (default: leave it, "
+                   "all GPUs visible, local_rank indexes them)")
     g.add_argument("--rankfile", help="Open MPI rankfile ('rank N=host slot=S') placing ranks")
-    g.add_argument("--launcher", choices=LAUNCHERS, default="auto")
+    g.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="auto (default), local, ssh, mpirun, slurm, lsf")
+    g.add_argument("--gloo", dest="launcher_alias", action="store_const", const="gloo",
+                   help="horovodrun's --gloo: ddlrun's own launchers (local / ssh), no mpirun")
+    g.add_argument("--mpi", dest="launcher_alias", action="store_const", const="mpirun",
+                   help="horovodrun's --mpi: same as --launcher mpirun")
+    g.add_argument("--oversubscribe", action=_Reject,
+                   message="not needed: ddlrun never binds ranks to cores; give the ranks "
+                   "per host with -H host:N, a hostfile's slots=N or --accelerators N")
     d = p.add_argument_group("DDL topology")
     d.add_argument("-m", "--mode", help="DDL mode letters (r,n,b,p) or a full spec 'b:4x2'")
     d.add_argument("--racks", type=int, help="number of racks (hosts split evenly)")
@@ -90,13 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export to ranks (KEY alone: this shell's value)")
     e.add_argument("--network-interface", metavar="IFACE",
                    help="interface ranks use: sets GLOO/NCCL_SOCKET_IFNAME and MASTER_ADDR")
-    e.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
-    e.add_argument("--master-addr", help="rendezvous address (default: host 0's)")
-    e.add_argument("--job-id", help="job id (default: time + random)")
+    e.add_argument("--master-port", "--master_port", dest="master_port", type=int,
+                   help="rendezvous port (default: a free one; 29500 with one ddlrun per node)")
+    e.add_argument("--master-addr", "--master_addr", dest="master_addr",
+                   help="rendezvous address (default: host 0's)")
+    e.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                   metavar="HOST[:PORT]", help="torchrun's: same as --master-addr/--master-port")
+    e.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
+                   choices=("c10d", "static"),
+                   help="torchrun's: accepted; ddlrun's rendezvous is always rank 0's host")
+    e.add_argument("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id",
+                   help="job id (default: time + random)")
     e.add_argument("--tcp", action="store_true",
                    help="TCP only: NCCL_IB_DISABLE=1, mpirun btl tcp")
     c = p.add_argument_group("ssh / mpirun")
-    c.add_argument("--ssh-port", type=int)
+    c.add_argument("-p", "--ssh-port", "--ssh_port", dest="ssh_port", type=int)
     c.add_argument("--ssh-identity", metavar="KEYFILE")
     c.add_argument("--ssh-config", metavar="FILE", help="ssh -F config file")
     c.add_argument("--remote-python", default=sys.executable,
@@ -104,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mpiarg", action="append", default=[], help="extra mpirun/srun arguments")
     r = p.add_argument_group("run")
     r.add_argument("--dry-run", action="store_true",
-                   help="print per-host commands and per-rank env; start nothing")
+                   help="print every rank's argv, cwd and env and the commands; start nothing")
     r.add_argument("--check", action="store_true", help="preflight only")
     r.add_argument("--cleanup", action="store_true",
                    help="remove shared memory of killed jobs on this host (with --job-id: "
@@ -124,6 +193,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--ddloption -dump_iter 100`` -> ``--ddloption=-dump_iter 100``: argparse reads a
+    value that starts with '-' as an option. Only ddlrun's own options are rewritten: the
+    scan stops where the program begins."""
+    out, args, i = [], list(argv), 0
+    actions = parser._option_string_actions
+    while i < len(args):
+        tok = args[i]
+        if tok == "--" or not tok.startswith("-") or tok == "-":
+            return out + args[i:]
+        action = actions.get(tok)
+        if action is not None and action.nargs != 0 and i + 1 < len(args):
+            if tok in DASH_VALUES:
+                out.append(f"{tok}={args[i + 1]}")
+            else:
+                out += [tok, args[i + 1]]
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    parser = parser or build_parser()
+    return parser.parse_args(join_dash_values(parser, sys.argv[1:] if argv is None else argv))
+
+
 @dataclass(frozen=True)
 class Config:
     request: Request
@@ -138,6 +236,7 @@ class Config:
     master_port: int | None = None
     job_id: str | None = None
     verbose: bool = False
+    per_node: bool = False  # one ddlrun per node (--nnodes/--node-rank, torchrun-style)
 
 
 def _read(path: str, what: str) -> list[str]:
@@ -153,29 +252,143 @@ def _positive(value, name: str) -> None:
         raise UsageError(f"{name} must be at least 1, got {value}")
 
 
+PYTHON_NAME = re.compile(r"^python[0-9.]*$")
+
+
+def is_python(program: str) -> bool:
+    """Whether the program is a python interpreter (``python``, ``python3.11``, a path)."""
+    return bool(PYTHON_NAME.match(os.path.basename(program)))
+
+
+def with_interpreter(program: list[str], python: str) -> list[str]:
+    """``ddlrun -n 2 train.py`` (torchrun's habit): a ``.py`` program that is not an
+    executable script with a ``#!`` line runs with ``python``."""
+    if not program or not program[0].endswith(".py"):
+        return program
+    path = program[0]
+    try:
+        with open(path, "rb") as f:
+            shebang = f.read(2) == b"#!"
+    except OSError:
+        shebang = False
+    if shebang and os.access(path, os.X_OK):
+        return program
+    return [python, *program]
+
+
+def parse_endpoint(text: str) -> tuple[str, int | None]:
+    """``--rdzv-endpoint host[:port]`` (IPv6 as ``[addr]:port``)."""
+    host, port = text, None
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = text[: end + 1], text[end + 1:]
+        if rest.startswith(":"):
+            port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if port is not None and not port.isdigit():
+        raise UsageError(f"--rdzv-endpoint {text!r}: the port must be a number")
+    return host.strip("[]"), int(port) if port is not None else None
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a == b or (is_local(a) and is_local(b))
+
+
+def select_hosts(hosts: tuple[HostSpec, ...], include, exclude) -> tuple[HostSpec, ...]:
+    """Hosts left by --include / --exclude (their GPU lists are the planner's)."""
+    for what, entries in (("--include", include), ("--exclude", exclude)):
+        for name, _ in entries:
+            if not any(_same_host(name, h.name) for h in hosts):
+                raise UsageError(f"{what}: host {name!r} is not one of the job's hosts "
+                                 f"({', '.join(h.name for h in hosts)})")
+    if include:
+        hosts = tuple(h for h in hosts if any(_same_host(n, h.name) for n, _ in include))
+    if exclude:
+        hosts = tuple(h for h in hosts
+                      if not any(_same_host(n, h.name) and ids is None for n, ids in exclude))
+    if not hosts:
+        raise UsageError("--exclude leaves no hosts")
+    return hosts
+
+
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
     program = list(args.program)
     if program and program[0] == "--":
         program = program[1:]
     for value, name in ((args.nproc, "-n"), (args.accelerators, "--accelerators"),
-                        (args.racks, "--racks"), (args.aisles, "--aisles")):
+                        (args.racks, "--racks"), (args.aisles, "--aisles"),
+                        (args.nnodes, "--nnodes")):
         _positive(value, name)
     if args.hosts and args.hostfile:
         raise UsageError("give -H or --hostfile, not both")
+    if args.include and args.exclude:
+        raise UsageError("give --include or --exclude, not both")
+    launcher = args.launcher or "auto"
+    if args.launcher_alias:
+        alias = "--mpi" if args.launcher_alias == "mpirun" else "--gloo"
+        if args.launcher and args.launcher != "auto":
+            raise UsageError(f"give {alias} or --launcher, not both")
+        launcher = "mpirun" if args.launcher_alias == "mpirun" else "auto"
+    gloo = args.launcher_alias == "gloo"
+    master_addr, master_port = args.master_addr, args.master_port
+    if args.rdzv_endpoint:
+        addr, port = parse_endpoint(args.rdzv_endpoint)
+        master_addr = master_addr or addr
+        master_port = master_port or port
+    given_hosts = bool(args.hosts or args.hostfile)
+    per_node = not given_hosts and (args.node_rank is not None or (args.nnodes or 1) > 1)
+    if args.standalone and (per_node or given_hosts):
+        raise UsageError("--standalone runs one node: drop --nnodes/--node-rank/-H")
+    if args.node_rank is not None and given_hosts:
+        raise UsageError("--node-rank is for one ddlrun per node (without -H/--hostfile); "
+                         "with -H or --hostfile one ddlrun starts every host")
+    accelerators = args.accelerators
+    nproc = args.nproc
     allocation = None
-    if args.hosts:
+    if per_node:
+        nnodes = args.nnodes
+        if nnodes is None:
+            raise UsageError("--node-rank needs --nnodes N (the number of nodes)")
+        node_rank = args.node_rank or 0
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes)")
+        if not master_addr:
+            raise UsageError("--nnodes without -H runs one ddlrun per node: give "
+                             "--master-addr (node 0's address, the same on every node)")
+        if launcher not in ("auto", "local"):
+            raise UsageError(f"--launcher {launcher}: one ddlrun per node starts its own "
+                             "node's ranks (local); use -H/--hostfile for ssh or mpirun")
+        if nproc is not None:
+            if accelerators is not None and accelerators * nnodes != nproc:
+                raise UsageError(f"-n {nproc} is not --nnodes {nnodes} x --nproc-per-node "
+                                 f"{accelerators}")
+            if nproc % nnodes:
+                raise UsageError(f"-n {nproc} does not split evenly over --nnodes {nnodes}")
+            accelerators, nproc = nproc // nnodes, None
+        hosts = (HostSpec("localhost"),)
+        launcher = "local"
+        master_port = master_port or 29500  # every node must agree: no free-port pick
+    elif args.hosts:
         hosts = parse_host_list(args.hosts)
     elif args.hostfile:
         hosts = parse_hostfile(_read(args.hostfile, "--hostfile"), args.hostfile)
     else:
-        allocation = detect_allocation(environ) if args.launcher in ("auto", "slurm", "lsf") \
-            else None
+        allocation = (detect_allocation(environ)
+                      if launcher in ("auto", "slurm", "lsf") and not gloo else None)
         if allocation == "slurm":
             hosts = slurm_hosts(environ)
         elif allocation == "lsf":
             hosts = lsf_hosts(environ)
         else:
             hosts = (HostSpec("localhost", args.nproc),)
+    if args.nnodes and not per_node:
+        if len(hosts) < args.nnodes:
+            raise UsageError(f"--nnodes {args.nnodes}: only {len(hosts)} host(s) given")
+        hosts = hosts[: args.nnodes]
+    include = parse_selection(args.include, "--include") if args.include else ()
+    exclude = parse_selection(args.exclude, "--exclude") if args.exclude else ()
+    hosts = select_hosts(hosts, include, exclude)
     rankfile: tuple = ()
     if args.rankfile:
         rankfile = parse_rankfile(_read(args.rankfile, "--rankfile"), args.rankfile)
@@ -183,7 +396,6 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     for item in args.env:
         key, eq, val = item.partition("=")
         env.append((validate_env_name(key), val if eq else None))
-    launcher = args.launcher
     if launcher == "auto":
         here = {socket.gethostname(), socket.getfqdn()}
         if allocation:
@@ -195,6 +407,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     if launcher == "local" and not all(is_local(h.name, {socket.gethostname()}) for h in hosts):
         raise UsageError("--launcher local runs on this host only; remove remote hosts or use "
                          "--launcher ssh")
+    program = with_interpreter(program, sys.executable if launcher == "local"
+                               else args.remote_python)
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         raise UsageError(f"--ssh-port {args.ssh_port} is out of range 1-65535")
     if args.network_interface and not args.network_interface.replace("_", "").replace(
@@ -208,8 +422,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     request = Request(
         program=tuple(program),
         hosts=hosts,
-        nproc=args.nproc,
-        accelerators=args.accelerators,
+        nproc=nproc,
+        accelerators=accelerators,
         mode=args.mode,
         racks=args.racks,
         aisles=args.aisles,
@@ -217,9 +431,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         no_ddloptions=args.no_ddloptions,
         env=tuple(env),
         network_interface=args.network_interface,
-        master_addr=args.master_addr,
+        master_addr=master_addr,
         tcp=args.tcp,
         rankfile=rankfile,
+        bind_gpus=args.bind_gpus,
+        include=include,
+        exclude=exclude,
+        nnodes=args.nnodes if per_node else None,
+        node_rank=(args.node_rank or 0) if per_node else None,
     )
     options = LaunchOptions(
         ssh_port=args.ssh_port,
@@ -246,9 +465,10 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         preflight=not args.no_preflight,
         log_dir=args.log_dir,
         timeout=args.timeout,
-        master_port=args.master_port,
+        master_port=master_port,
         job_id=args.job_id,
         verbose=args.verbose,
+        per_node=per_node,
     )
 
 
@@ -335,10 +555,13 @@ def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
     # Remote hosts are probed over the backend's own transport (ssh for mpirun).
     remote = backend if isinstance(backend, AgentBackend) else SshBackend(cfg.options)
 
+    program = req.program
+    python = program[0] if program and is_python(program[0]) else None
+
     def one(host: HostSpec, check: Sequence[int]) -> ProbeResult:
         if is_local(host.name, here):
-            return ProbeResult(host.name, probe(check, iface), None)
-        return probe_remote(host.name, remote.probe_cmd(host, check, iface),
+            return ProbeResult(host.name, probe(check, iface, python), None)
+        return probe_remote(host.name, remote.probe_cmd(host, check, iface, python),
                             cfg.options.start_timeout + 5, remote.fix_hint(host))
 
     hosts = list(req.hosts)
@@ -352,8 +575,27 @@ def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
 # ---------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    sink = OutputSink(tag=args.tag_output)
+    sink = OutputSink()
+    try:
+        try:
+            args = parse_args(argv, parser)
+        except UsageError as exc:  # a peer launcher's flag that ddlrun spells otherwise
+            sink.note(f"error: {exc}")
+            return exc.exit_code
+        return _main(parser, args, sink)
+    except BrokenPipeError:  # ddlrun --dry-run ... | head -1
+        silence(sys.stdout)
+        return 141  # 128 + SIGPIPE, what a shell shows for a writer whose reader left
+
+
+def warn_unset(cfg: Config, environ: Mapping[str, str], sink: OutputSink) -> None:
+    for key, value in cfg.request.env:
+        if value is None and key not in environ:
+            sink.note(f"warning: -x {key}: {key} is not set here, so it is not exported "
+                      f"(set it, or give -x {key}=VALUE)")
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: OutputSink) -> int:
     try:
         cfg = config_from_args(args, os.environ)
         if cfg.cleanup:
@@ -361,10 +603,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not cfg.request.program and not cfg.check:
             parser.print_usage(sys.stderr)
             raise UsageError("no program given: ddlrun [options] program [args...]")
+        warn_unset(cfg, os.environ, sink)
         backend = get_backend(cfg.launcher, cfg.options)
         facts: dict[str, HostFacts] = {}
         can_probe = cfg.launcher != "slurm"  # srun places ranks itself
-        ports = job_ports(cfg, cfg.master_port, os.environ)
+        binds = not cfg.per_node or cfg.request.node_rank == 0  # host 0 binds the ports
+        ports = job_ports(cfg, cfg.master_port, os.environ) if binds else {}
         if cfg.check or (cfg.preflight and not cfg.dry_run and can_probe):
             facts, results = gather_facts(cfg, backend, list(ports))
             table = version_table(results)
@@ -385,17 +629,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = cfg.master_port or (facts.get(host0) and facts[host0].free_port)
         if not port:
             port = pick_free_pair() if is_local(host0, {socket.gethostname()}) else 29500
-        plan = make_plan(cfg.request, facts, job_id, port, os.environ,
-                         job_secret_env(cfg.request, os.environ))
+        if cfg.per_node:
+            # every node's ddlrun must hand the same secret: only the user's can be that
+            secret_env = {k: os.environ[k] for k in SECRET_SOURCES if os.environ.get(k)}
+            if not secret_env and not any(k in SECRET_SOURCES for k, _ in cfg.request.env):
+                sink.note("warning: no DDL_JOB_SECRET or DDL_JOB_SECRET_FILE in this "
+                          "environment: the job's rendezvous is open to anyone who can reach "
+                          "MASTER_ADDR:MASTER_PORT (set one, the same on every node)")
+        else:
+            secret_env = job_secret_env(cfg.request, os.environ)
+        plan = make_plan(cfg.request, facts, job_id, port, os.environ, secret_env,
+                         export_job_id=not cfg.per_node or cfg.job_id is not None)
         backend.validate(plan)
         if cfg.dry_run:
-            print(describe(plan))
+            print(describe(plan, cfg.options.cwd))
             for argv_ in backend.commands(plan):
                 print("command: " + shlex.join(argv_))
+            sys.stdout.flush()
             return 0
         sweep_at_start(sink)
         if cfg.verbose:
-            sink.note(describe(plan))
+            sink.note(describe(plan, cfg.options.cwd))
         if (cfg.launcher != "local" or cfg.verbose) and not backend.notes_own_command:
             for argv_ in backend.commands(plan):
                 sink.note("running: " + shlex.join(argv_))

@@ -263,3 +263,28 @@ def detect_allocation(env: Mapping[str, str]) -> str | None:
 
 def is_local(name: str, local_names: Iterable[str] = ()) -> bool:
     return name in LOCAL_NAMES or name in set(local_names)
+
+
+# ---------------------------------------------------------------------------- --include
+def parse_selection(text: str, where: str = "--include") -> tuple[
+    tuple[str, tuple[str, ...] | None], ...
+]:
+    """DeepSpeed's ``--include`` / ``--exclude`` syntax: ``host1:0,1@host2`` -> host1's
+    GPUs 0 and 1, all of host2 (None). GPU ids are the host's device indices."""
+    out: list[tuple[str, tuple[str, ...] | None]] = []
+    seen: set[str] = set()
+    for part in text.split("@"):
+        name, colon, ids = part.strip().partition(":")
+        validate_hostname(name, where)
+        if name in seen:
+            raise UsageError(f"{where}: host {name!r} is given twice")
+        seen.add(name)
+        if not colon:
+            out.append((name, None))
+            continue
+        got = tuple(i.strip() for i in ids.split(","))
+        if not got or not all(i.isdigit() for i in got):
+            raise UsageError(f"{where}: {part!r}: GPU ids must be integers, e.g. "
+                             f"{name}:0,1")
+        out.append((name, tuple(dict.fromkeys(got))))
+    return tuple(out)

@@ -146,8 +146,7 @@ class OutputSink:
             if f is not None:
                 f.write(text)
                 f.flush()
-            target.write(shown)
-            target.flush()
+            self._write(target, shown)
 
     def raw(self, stream: str, text: str) -> None:
         """A line that is already tagged (mpirun --output tag, srun --label)."""
@@ -157,15 +156,23 @@ class OutputSink:
         with self._lock:
             self._tails.setdefault(-1, deque(maxlen=self._tail_lines)).append(
                 _clip(text.rstrip()))
-            target.write(text)
-            target.flush()
+            self._write(target, text)
 
     def note(self, text: str) -> None:
         """A launcher message (to stderr, prefixed ``ddlrun:``)."""
         with self._lock:
-            for ln in text.splitlines() or [""]:
-                self._err.write(f"ddlrun: {ln}\n")
-            self._err.flush()
+            lines = "".join(f"ddlrun: {ln}\n" for ln in text.splitlines() or [""])
+            self._write(self._err, lines)
+
+    @staticmethod
+    def _write(target: TextIO, text: str) -> None:
+        """Write and flush; a closed pipe (``ddlrun ... | head -1``) drops the terminal's
+        copy quietly from then on (log files keep everything) instead of a traceback."""
+        try:
+            target.write(text)
+            target.flush()
+        except BrokenPipeError:
+            silence(target)
 
     def tail(self, rank: int) -> list[str]:
         with self._lock:
@@ -176,6 +183,20 @@ class OutputSink:
             for f in self._files.values():
                 f.close()
             self._files.clear()
+
+
+def silence(stream: TextIO) -> None:
+    """Point a stream whose reader has gone at /dev/null, so later writes (and the flush at
+    interpreter exit) do not raise BrokenPipeError."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _clip(line: str) -> str:

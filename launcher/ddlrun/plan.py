@@ -19,7 +19,12 @@ DDL_JOB_SECRET     the job's secret (new per job), unless the user set DDL_JOB_S
                    and shown as ``<secret>`` (see ``SECRET_ENV``)
 DDL_HOST_INDEX     same as GROUP_RANK; scopes shared memory per host
 DDL_HOSTS          comma-separated host list of the job, in host-index order
-CUDA_VISIBLE_DEVICES  the rank's GPU(s), only on hosts where GPUs were detected
+CUDA_VISIBLE_DEVICES  left as the user has it (all GPUs visible: ``local_rank`` indexes
+                   them, as under torchrun); set to the host's GPUs with --include/--exclude
+                   GPU lists, to the rank's one GPU with --bind-gpus
+TORCHELASTIC_RUN_ID, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS   as torchrun sets them (run id = the
+                   job id), so ``torch.distributed.is_torchelastic_launched()`` is True
 OMP_NUM_THREADS    cores per host // local ranks (min 1), only if not set by the user
 GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME   with --network-interface
 NCCL_IB_DISABLE=1  with --tcp
@@ -29,6 +34,7 @@ NCCL_IB_DISABLE=1  with --tcp
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,8 +54,12 @@ RANK_ENV = (
     "DDL_JOB_SECRET",
     "DDL_HOST_INDEX",
     "DDL_HOSTS",
-    "CUDA_VISIBLE_DEVICES",
     "OMP_NUM_THREADS",
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
 )
 SECRET_ENV = ("DDL_JOB_SECRET",)  # values never printed (describe, -v, --dry-run)
 SECRET_SOURCES = ("DDL_JOB_SECRET", "DDL_JOB_SECRET_FILE")  # either: the user has a secret
@@ -90,6 +100,38 @@ class Request:
     master_addr: str | None = None
     tcp: bool = False
     rankfile: tuple[tuple[int, str], ...] = ()  # (rank, host) from a user rankfile
+    bind_gpus: bool = False  # --bind-gpus: each rank sees only its GPU
+    include: tuple[tuple[str, tuple[str, ...] | None], ...] = ()  # --include host[:ids]
+    exclude: tuple[tuple[str, tuple[str, ...] | None], ...] = ()  # --exclude host[:ids]
+    nnodes: int | None = None  # torchrun-style: one ddlrun per node (with node_rank)
+    node_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class HostGpus:
+    """The GPUs a host's ranks use and what CUDA_VISIBLE_DEVICES gets: ``leave`` (as the
+    user has it), ``set`` (the host's list, from --include/--exclude) or ``bind`` (the
+    rank's one GPU, ids[local_rank % len(ids)])."""
+
+    ids: tuple[str, ...] = ()
+    mode: str = "leave"
+    selected: bool = False  # the list comes from --include/--exclude (it counts as slots)
+
+    def visible(self, local_rank: int) -> str | None:
+        if self.mode == "set":
+            return ",".join(self.ids)
+        if self.mode == "bind" and self.ids:
+            return self.ids[local_rank % len(self.ids)]
+        return None
+
+    def encode(self) -> str:
+        """For ``ddlrun.rankenv`` (DDLRUN_HOST_GPUS, hosts joined by ';')."""
+        return f"{self.mode}:{','.join(self.ids)}"
+
+    @classmethod
+    def decode(cls, text: str) -> HostGpus:
+        mode, _, ids = text.partition(":")
+        return cls(tuple(i for i in ids.split(",") if i), mode or "leave")
 
 
 @dataclass(frozen=True)
@@ -110,7 +152,7 @@ class HostPlan:
     index: int
     host: HostSpec
     ranks: tuple[RankSpec, ...]
-    gpus: int = 0
+    gpus: HostGpus = field(default_factory=HostGpus)
 
 
 @dataclass(frozen=True)
@@ -123,6 +165,7 @@ class JobPlan:
     hosts: tuple[HostPlan, ...]
     program: tuple[str, ...]
     common_env: tuple[tuple[str, str], ...] = field(default=())
+    unknown_slots: tuple[str, ...] = ()  # hosts whose ranks were guessed (1): not probed
 
     @property
     def ranks(self) -> tuple[RankSpec, ...]:
@@ -139,17 +182,68 @@ class JobPlan:
 
 
 # ---------------------------------------------------------------------------- placement
-def slots_per_host(req: Request, facts: Mapping[str, HostFacts]) -> list[int]:
-    """Ranks each host can take: --accelerators, else the host's slots, else its GPUs,
-    else -n for a single host, else 1."""
+def split_ids(text: str) -> tuple[str, ...]:
+    """``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) as a tuple of ids."""
+    return tuple(i.strip() for i in text.split(",") if i.strip())
+
+
+def _selection(entries, host: HostSpec) -> tuple[bool, tuple[str, ...] | None]:
+    """(host named, its GPU ids or None for the whole host) in --include/--exclude."""
+    for name, ids in entries:
+        if name == host.name or (is_local(name) and is_local(host.name)):
+            return True, ids
+    return False, None
+
+
+def host_gpus(req: Request, host: HostSpec, facts: HostFacts | None,
+              user_visible: str | None) -> HostGpus:
+    """The GPUs ranks on ``host`` use. The set: the user's CUDA_VISIBLE_DEVICES on a host
+    with GPUs, else the GPUs detected (0..n-1), else (for --include/--exclude only) the
+    host's slots 0..N-1. --include host:ids replaces it, --exclude host:ids removes from it;
+    either makes CUDA_VISIBLE_DEVICES that list. --bind-gpus gives each rank one."""
+    gpus = facts.gpus if facts else 0
+    if gpus and user_visible is not None:
+        ids = split_ids(user_visible)
+    else:
+        ids = tuple(str(i) for i in range(gpus))
+    mode = "leave"
+    named, chosen = _selection(req.include, host)
+    if named and chosen is not None:
+        ids, mode = chosen, "set"
+    named, dropped = _selection(req.exclude, host)
+    if named and dropped is not None:
+        if not ids and host.slots:
+            ids = tuple(str(i) for i in range(host.slots))
+        if not ids:
+            raise UsageError(f"--exclude {host.name}:{','.join(dropped)}: the GPUs of "
+                             f"{host.name} are unknown (not probed, no slots): give "
+                             f"{host.name}:N or use --include")
+        ids, mode = tuple(i for i in ids if i not in dropped), "set"
+        if not ids:
+            raise UsageError(f"--exclude leaves no GPUs on {host.name}")
+    selected = mode == "set"
+    if req.bind_gpus and ids:
+        mode = "bind"
+    return HostGpus(ids, mode, selected)
+
+
+def slots_per_host(req: Request, facts: Mapping[str, HostFacts],
+                   gpus: Sequence[HostGpus] | None = None) -> list[int]:
+    """Ranks each host can take: --accelerators, else its --include/--exclude GPU list,
+    else the host's slots, else its GPUs (CUDA_VISIBLE_DEVICES counts), else -n for a
+    single host, else 1."""
+    if gpus is None:
+        gpus = [host_gpus(req, h, facts.get(h.name), None) for h in req.hosts]
     out = []
-    for h in req.hosts:
+    for h, g in zip(req.hosts, gpus, strict=True):
         if req.accelerators is not None:
             out.append(req.accelerators)
+        elif g.selected:
+            out.append(len(g.ids))
         elif h.slots is not None:
             out.append(h.slots)
-        elif facts.get(h.name, HostFacts()).gpus > 0:
-            out.append(facts[h.name].gpus)
+        elif g.ids:  # the GPUs detected, or those of the user's CUDA_VISIBLE_DEVICES
+            out.append(len(g.ids))
         elif len(req.hosts) == 1 and req.nproc:
             out.append(req.nproc)
         else:
@@ -157,13 +251,23 @@ def slots_per_host(req: Request, facts: Mapping[str, HostFacts]) -> list[int]:
     return out
 
 
-def assign(req: Request, facts: Mapping[str, HostFacts]) -> list[tuple[int, int]]:
+def unknown_slots(req: Request, facts: Mapping[str, HostFacts]) -> tuple[str, ...]:
+    """Hosts whose rank count is a guess: no slots, no --accelerators, not probed."""
+    if req.accelerators is not None or req.rankfile or (len(req.hosts) == 1 and req.nproc):
+        return ()
+    return tuple(h.name for h in req.hosts
+                 if h.slots is None and h.name not in facts
+                 and _selection(req.include, h)[1] is None)
+
+
+def assign(req: Request, facts: Mapping[str, HostFacts],
+           gpus: Sequence[HostGpus] | None = None) -> list[tuple[int, int]]:
     """(host index, local rank) for every rank, in rank order. Fills host by host."""
     if not req.hosts:
         raise UsageError("no hosts: give -n N for local ranks, or -H / --hostfile")
     if req.rankfile:
         return _assign_rankfile(req)
-    slots = slots_per_host(req, facts)
+    slots = slots_per_host(req, facts, gpus)
     total = sum(slots)
     n = req.nproc if req.nproc is not None else total
     if n < 1:
@@ -238,6 +342,8 @@ def grid(ranks_per_host: int, nhosts: int, racks: int | None, aisles: int | None
 def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | None:
     if req.no_ddloptions:
         return None
+    if not req.mode and any(o.split()[:1] == ["-mode"] for o in req.ddloptions):
+        return " ".join(req.ddloptions)  # --ddloption "-mode b:2x2" is the user's mode
     world = len(placement)
     per_host: dict[int, int] = {}
     for host, _ in placement:
@@ -281,15 +387,6 @@ def validate_job_id(job_id: str) -> str:
     return job_id
 
 
-def cuda_devices(local_rank: int, local_size: int, gpus: int) -> str | None:
-    if gpus <= 0:
-        return None
-    if local_size <= gpus:
-        per = gpus // local_size
-        return ",".join(str(local_rank * per + i) for i in range(per))
-    return str(local_rank % gpus)
-
-
 def rank_env(
     rank: int,
     local_rank: int,
@@ -297,6 +394,7 @@ def rank_env(
     host_index: int,
     facts: HostFacts,
     user_env: Mapping[str, str],
+    gpus: HostGpus | None = None,
 ) -> dict[str, str]:
     """The per-rank part of the env contract (shared with ``ddlrun.rankenv`` for mpirun and
     srun, where it is computed on the rank's host)."""
@@ -306,9 +404,10 @@ def rank_env(
         "LOCAL_WORLD_SIZE": str(local_size),
         "GROUP_RANK": str(host_index),
         "DDL_HOST_INDEX": str(host_index),
+        "ROLE_RANK": str(rank),
     }
-    dev = cuda_devices(local_rank, local_size, facts.gpus)
-    if dev is not None and "CUDA_VISIBLE_DEVICES" not in user_env:
+    dev = gpus.visible(local_rank) if gpus else None
+    if dev is not None:
         env["CUDA_VISIBLE_DEVICES"] = dev
     if "OMP_NUM_THREADS" not in user_env:
         env["OMP_NUM_THREADS"] = str(max(1, facts.cores // max(1, local_size)))
@@ -326,6 +425,18 @@ def _master_addr(req: Request, host0: HostSpec, facts: Mapping[str, HostFacts]) 
     return host0.name.strip("[]")
 
 
+def _user_env(req: Request, environ: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in req.env:
+        validate_env_name(key)
+        if value is None:
+            if key in environ:
+                out[key] = environ[key]
+        else:
+            out[key] = value
+    return out
+
+
 def make_plan(
     req: Request,
     facts: Mapping[str, HostFacts],
@@ -333,45 +444,60 @@ def make_plan(
     master_port: int,
     environ: Mapping[str, str],
     secret_env: Mapping[str, str] | None = None,
+    export_job_id: bool = True,
 ) -> JobPlan:
     """Build the whole job plan. ``environ`` is the launcher's env (for ``-x KEY``);
     ``secret_env`` the variables that carry the job's secret to every rank (the caller draws
-    a new secret or passes the user's on: drawing one is a side effect)."""
+    a new secret or passes the user's on: drawing one is a side effect). Without
+    ``export_job_id`` (one ddlrun per node, no --rdzv-id) DDL_JOB_ID is left unset so ddl
+    agrees one at init; ``job_id`` then only names this launcher's logs."""
     if not req.program:
         raise UsageError("no program given: ddlrun [options] program [args...]")
     validate_job_id(job_id)
     if not 0 < master_port < 65536:
         raise UsageError(f"--master-port {master_port} is out of range 1-65535")
-    placement = assign(req, facts)
+    user_env = _user_env(req, environ)
+    theirs = user_env.get("CUDA_VISIBLE_DEVICES")
+    gpus_of = [host_gpus(req, h, facts.get(h.name),
+                         theirs if theirs is not None or not is_local(h.name)
+                         else environ.get("CUDA_VISIBLE_DEVICES"))
+               for h in req.hosts]
+    placement = assign(req, facts, gpus_of)
     used = sorted({h for h, _ in placement})
     remap = {old: new for new, old in enumerate(used)}  # hosts without ranks drop out
     hosts = [req.hosts[i] for i in used]
     local_size = {remap[h]: sum(1 for p, _ in placement if p == h) for h in used}
-
-    user_env: dict[str, str] = {}
-    for key, value in req.env:
-        validate_env_name(key)
-        if value is None:
-            if key in environ:
-                user_env[key] = environ[key]
-        else:
-            user_env[key] = value
+    per_node = req.node_rank is not None
+    nnodes = req.nnodes or 1
+    offset = req.node_rank * len(placement) if per_node else 0
+    world = len(placement) * nnodes if per_node else len(placement)
     omp_set = dict(user_env)
     if "OMP_NUM_THREADS" in environ:
         omp_set["OMP_NUM_THREADS"] = environ["OMP_NUM_THREADS"]
 
-    options = ddl_options(req, placement)
+    whole = ([(n, local) for n in range(nnodes) for _, local in placement] if per_node
+             else placement)
+    options = ddl_options(req, whole)
     common = dict(user_env)
     common.update(secret_env or {})
     common.update(
         {
-            "WORLD_SIZE": str(len(placement)),
+            "WORLD_SIZE": str(world),
             "MASTER_ADDR": _master_addr(req, hosts[0], facts),
             "MASTER_PORT": str(master_port),
-            "DDL_JOB_ID": job_id,
-            "DDL_HOSTS": ",".join(h.name for h in hosts),
+            # torchrun's worker env (frameworks that detect torchrun see it)
+            "TORCHELASTIC_RUN_ID": job_id if export_job_id else "none",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "GROUP_WORLD_SIZE": str(nnodes if per_node else len(hosts)),
+            "ROLE_WORLD_SIZE": str(world),
+            "ROLE_NAME": "default",
         }
     )
+    if export_job_id:
+        common["DDL_JOB_ID"] = job_id
+    if not per_node:  # one ddlrun per node knows only its own host
+        common["DDL_HOSTS"] = ",".join(h.name for h in hosts)
     if options is not None:
         common["DDL_OPTIONS"] = options
     if req.network_interface:
@@ -384,25 +510,26 @@ def make_plan(
     for rank, (old, local) in enumerate(placement):
         index = remap[old]
         host = hosts[index]
+        node = req.node_rank if per_node else index
         env = dict(common)
         env.update(
-            rank_env(rank, local, local_size[index], index, facts.get(host.name, HostFacts()),
-                     omp_set)
+            rank_env(offset + rank, local, local_size[index], node,
+                     facts.get(host.name, HostFacts()), omp_set, gpus_of[old])
         )
-        per_host[index].append(RankSpec(rank, local, index, host.name, req.program,
+        per_host[index].append(RankSpec(offset + rank, local, index, host.name, req.program,
                                         tuple(sorted(env.items()))))
     return JobPlan(
         job_id=job_id,
-        world_size=len(placement),
+        world_size=world,
         master_addr=common["MASTER_ADDR"],
         master_port=master_port,
         ddl_options=options,
         hosts=tuple(
-            HostPlan(i, h, tuple(per_host[i]), facts.get(h.name, HostFacts()).gpus)
-            for i, h in enumerate(hosts)
+            HostPlan(i, h, tuple(per_host[i]), gpus_of[used[i]]) for i, h in enumerate(hosts)
         ),
         program=req.program,
         common_env=tuple(sorted(common.items())),
+        unknown_slots=tuple(n for n in unknown_slots(req, facts) if n in {h.name for h in hosts}),
     )
 
 
@@ -417,25 +544,58 @@ def rankfile_lines(plan: JobPlan, cores: Mapping[str, int] | None = None) -> lis
     return lines
 
 
+def quote(value: str) -> str:
+    """``shlex.quote``, but a value with control characters (a newline could forge a line
+    of the printout) is written in bash's ``$'...'`` form with escapes."""
+    if value.isprintable():
+        return shlex.quote(value)
+    out = []
+    for ch in value:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        elif ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        else:
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")
+    return "$'" + "".join(out) + "'"
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 def masked(key: str, value: str) -> str:
-    """``KEY=VALUE`` for printing: secrets shown as ``<secret>``."""
-    return f"{key}={MASK if key in SECRET_ENV else value}"
+    """``KEY=VALUE`` for printing, the value quoted: secrets shown as ``<secret>``."""
+    return f"{key}={MASK if key in SECRET_ENV else quote(value)}"
 
 
-def describe(plan: JobPlan) -> str:
-    """Human-readable plan for --dry-run and -v (secrets masked)."""
+def describe(plan: JobPlan, cwd: str | None = None) -> str:
+    """Human-readable plan for --dry-run and -v (values quoted, secrets masked): every
+    rank's argv, working directory and env."""
     out = [
         f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} host(s)",
-        f"  MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}",
-        f"  DDL_OPTIONS={plan.ddl_options!r}" if plan.ddl_options is not None
+        f"  MASTER_ADDR={quote(plan.master_addr)} MASTER_PORT={plan.master_port}",
+        f"  DDL_OPTIONS={quote(plan.ddl_options)}" if plan.ddl_options is not None
         else "  DDL_OPTIONS not set (--no_ddloptions)",
     ]
+    for name in plan.unknown_slots:
+        out.append(f"  note: slots of {name} are unknown (no {name}:N, its GPUs not probed in "
+                   "--dry-run): planned 1 rank there; the real run takes one rank per GPU "
+                   f"nvidia-smi lists there, else 1 (give {name}:N or --accelerators N)")
     common = dict(plan.common_env)
     for h in plan.hosts:
+        local = is_local(h.host.name)
         out.append(f"host {h.index} {h.host.destination}: ranks "
                    + ",".join(str(r.rank) for r in h.ranks))
         for r in h.ranks:
             own = {k: v for k, v in r.env if common.get(k) != v}
-            out.append(f"  [{r.rank}] " + " ".join(masked(k, v) for k, v in sorted(own.items())))
+            out.append(f"  [{r.rank}] argv: " + " ".join(quote(a) for a in r.argv))
+            if cwd:
+                where = "" if local else " (if it exists there, else the login directory)"
+                out.append(f"  [{r.rank}] cwd: {quote(cwd)}{where}")
+            base = "ddlrun's environment" if local else "the remote login environment"
+            out.append(f"  [{r.rank}] env: {base} + common env + "
+                       + " ".join(masked(k, v) for k, v in sorted(own.items())))
     out.append("common env: " + " ".join(masked(k, v) for k, v in plan.common_env))
     return "\n".join(out)

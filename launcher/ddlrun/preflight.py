@@ -19,6 +19,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -79,8 +80,26 @@ def pick_free_pair(attempts: int = 64) -> int:
     return port  # the check of the chosen ports will name the one that is taken
 
 
-def probe(ports: Sequence[int] = (), iface: str | None = None) -> dict:
-    """Facts about this host, as a JSON-able dict."""
+def python_problem(python: str, run=subprocess.run) -> str | None:
+    """One line when ``python`` (the program's interpreter) cannot import ddl here."""
+    exe = shutil.which(python) or python
+    try:
+        out = run([exe, "-c", "import ddl"], capture_output=True, text=True, timeout=60,
+                  stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run the program's interpreter {python!r}: {exc}"
+    if out.returncode == 0:
+        return None
+    where = f" ({exe})" if exe != python else ""
+    return (f"the program's interpreter {python!r}{where} cannot import ddl: run the program "
+            f"with {sys.executable} (the python ddlrun runs with) or install powerddl for "
+            "that interpreter")
+
+
+def probe(ports: Sequence[int] = (), iface: str | None = None,
+          python: str | None = None) -> dict:
+    """Facts about this host, as a JSON-able dict; with ``python``, whether that interpreter
+    (the program's) can import ddl here."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -98,6 +117,8 @@ def probe(ports: Sequence[int] = (), iface: str | None = None) -> dict:
         "address": interface_address(iface) if iface else None,
     }
     facts["ports"] = {str(p): port_free(p) for p in ports}
+    if python:
+        facts["python_problem"] = python_problem(python)
     facts["free_port"] = pick_free_pair()
     return facts
 
@@ -177,6 +198,9 @@ def check(
     ``port_names`` says what each checked port is for."""
     problems = [r.error for r in results if r.error]
     ok = [r for r in results if r.data is not None]
+    for r in ok:
+        if r.data.get("python_problem"):
+            problems.append(f"{r.host}: {r.data['python_problem']}")
     for key in VERSION_KEYS:
         seen: dict[str, list[str]] = {}
         for r in ok:

@@ -1,9 +1,11 @@
 """``python -m ddlrun.rankenv -- program args``: the per-rank env contract for launchers that
 start ranks themselves (mpirun, srun). Reads the rank from the launcher's variables
 (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK), the job layout from
-DDLRUN_RANK_HOSTS (host index of every rank, comma-separated) and DDLRUN_HOST_GPUS, sets
-RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, CUDA_VISIBLE_DEVICES,
-OMP_NUM_THREADS (as ddlrun.plan does) and execs the program.
+DDLRUN_RANK_HOSTS (host index of every rank, comma-separated) and DDLRUN_HOST_GPUS (per
+host ``mode:ids``, hosts joined by ';': see ``plan.HostGpus``), sets RANK, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, ROLE_RANK, OMP_NUM_THREADS and, only with
+--include/--exclude GPU lists or --bind-gpus, CUDA_VISIBLE_DEVICES (as ddlrun.plan does) and
+execs the program.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from .plan import HostFacts, rank_env
+from .plan import HostFacts, HostGpus, rank_env
 
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
 
@@ -22,12 +24,13 @@ def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
     if rank is None:
         raise SystemExit("ddlrun.rankenv: no rank variable set (" + ", ".join(RANK_VARS) + ")")
     layout = [int(x) for x in env["DDLRUN_RANK_HOSTS"].split(",")]
-    gpus = [int(x) for x in env.get("DDLRUN_HOST_GPUS", "").split(",") if x]
+    gpus = [HostGpus.decode(x) for x in env.get("DDLRUN_HOST_GPUS", "").split(";") if x]
     host = layout[rank]
     local_rank = layout[:rank].count(host)
     local_size = layout.count(host)
-    facts = HostFacts(cores=cores, gpus=gpus[host] if host < len(gpus) else 0)
-    return rank_env(rank, local_rank, local_size, host, facts, env)
+    facts = HostFacts(cores=cores)
+    return rank_env(rank, local_rank, local_size, host, facts, env,
+                    gpus[host] if host < len(gpus) else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,11 +95,16 @@ def test_rankenv_computes_contract_from_layout():
     from ddlrun.rankenv import compute
 
     env = {"OMPI_COMM_WORLD_RANK": "3", "DDLRUN_RANK_HOSTS": "0,0,1,1",
-           "DDLRUN_HOST_GPUS": "0,2"}
+           "DDLRUN_HOST_GPUS": "leave:0,1;leave:0,1"}
     got = compute(env, cores=8)
     assert got["RANK"] == "3" and got["LOCAL_RANK"] == "1" and got["GROUP_RANK"] == "1"
-    assert got["LOCAL_WORLD_SIZE"] == "2" and got["CUDA_VISIBLE_DEVICES"] == "1"
+    assert got["LOCAL_WORLD_SIZE"] == "2" and got["ROLE_RANK"] == "3"
+    assert "CUDA_VISIBLE_DEVICES" not in got  # left as the user has it: all GPUs visible
     assert got["OMP_NUM_THREADS"] == "4"
+    got = compute({**env, "DDLRUN_HOST_GPUS": "leave:;bind:2,3"}, cores=8)
+    assert got["CUDA_VISIBLE_DEVICES"] == "3"  # --bind-gpus: local rank 1's GPU
+    got = compute({**env, "DDLRUN_HOST_GPUS": "leave:;set:1,3"}, cores=8)
+    assert got["CUDA_VISIBLE_DEVICES"] == "1,3"  # --include hB:1,3
     got = compute({"SLURM_PROCID": "0", "DDLRUN_RANK_HOSTS": "0", "OMP_NUM_THREADS": "2"}, 8)
     assert "OMP_NUM_THREADS" not in got and "CUDA_VISIBLE_DEVICES" not in got
 

@@ -8,7 +8,6 @@ from ddlrun.plan import (
     HostFacts,
     Request,
     assign,
-    cuda_devices,
     describe,
     grid,
     make_plan,
@@ -51,12 +50,16 @@ def test_env_contract_for_every_rank():
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
     assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
     assert [e["DDL_HOST_INDEX"] for e in envs] == ["0", "0", "1", "1"]
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "0", "1"]
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in envs)  # all GPUs visible
+    assert [e["ROLE_RANK"] for e in envs] == ["0", "1", "2", "3"]
     for e in envs:
         assert e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2"
         assert e["MASTER_ADDR"] == "a" and e["MASTER_PORT"] == "29500"
         assert e["DDL_JOB_ID"] == "job_1" and e["DDL_HOSTS"] == "a,b"
         assert e["OMP_NUM_THREADS"] == "4"
+        assert e["TORCHELASTIC_RUN_ID"] == "job_1" and e["GROUP_WORLD_SIZE"] == "2"
+        assert e["ROLE_WORLD_SIZE"] == "4" and e["ROLE_NAME"] == "default"
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in e
     assert all(r.argv == PROG for r in p.ranks)
 
 
@@ -70,12 +73,6 @@ def test_no_gpus_no_cuda_visible_devices_and_user_omp_wins():
         assert e["MASTER_ADDR"] == "127.0.0.1"
     p = plan_of(Request(PROG, hosts(("localhost", 2))), {}, {"OMP_NUM_THREADS": "7"})
     assert all("OMP_NUM_THREADS" not in r.env_dict() for r in p.ranks)  # inherited as is
-
-
-def test_cuda_devices_split():
-    assert [cuda_devices(i, 2, 4) for i in range(2)] == ["0,1", "2,3"]
-    assert [cuda_devices(i, 3, 2) for i in range(3)] == ["0", "1", "0"]
-    assert cuda_devices(0, 1, 0) is None
 
 
 def test_ddl_options_grid_racks_aisles_mode_and_opt_out():
@@ -129,4 +126,5 @@ def test_plan_validation():
     with pytest.raises(UsageError, match="no program"):
         plan_of(Request((), hosts(("a", 1))))
     text = describe(plan_of(Request(PROG, hosts(("a", 1), ("b", 1)))))
-    assert "host 1 b: ranks 1" in text and "[1] DDL_HOST_INDEX=1" in text
+    assert "host 1 b: ranks 1" in text and "[1] argv: python train.py" in text
+    assert "DDL_HOST_INDEX=1" in text.split("[1] env:")[1]

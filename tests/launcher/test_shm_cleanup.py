@@ -99,7 +99,7 @@ def test_cleanup_of_one_job_and_of_orphans(marker):
     job = f"cl_{marker[-8:]}"
     for name in (f"ddl-{job}-h0-heap0-0", f"ddl-{job}-h1-ctl"):
         make(__import__("pathlib").Path("/dev/shm"), name, age=0)
-    res = run_ddlrun("--cleanup", "--job", job)  # --job is argparse's prefix of --job-id
+    res = run_ddlrun("--cleanup", "--job-id", job)
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == [f"removed /dev/shm/ddl-{job}-h0-heap0-0",
                                                f"removed /dev/shm/ddl-{job}-h1-ctl"]

@@ -35,7 +35,7 @@ class SingleLauncherBackend(Backend):
         """The env every rank shares, plus the layout for ddlrun.rankenv."""
         env = dict(plan.common_env)
         env["DDLRUN_RANK_HOSTS"] = ",".join(str(h) for h in plan.layout)
-        env["DDLRUN_HOST_GPUS"] = ",".join(str(h.gpus) for h in plan.hosts)
+        env["DDLRUN_HOST_GPUS"] = ";".join(h.gpus.encode() for h in plan.hosts)
         return env
 
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:

@@ -42,12 +42,15 @@ class AgentBackend(Backend):
     def get_cmd(self, host: HostSpec) -> list[str]:
         return self.transport(host) + self.remote()
 
-    def probe_cmd(self, host: HostSpec, ports: Sequence[int], iface: str | None) -> list[str]:
+    def probe_cmd(self, host: HostSpec, ports: Sequence[int], iface: str | None,
+                  python: str | None = None) -> list[str]:
         args = ["--probe"]
         for port in ports:
             args += ["--port", str(int(port))]
         if iface:
             args += ["--iface", iface]
+        if python:
+            args += ["--python", check_path(python, "the program's python")]
         return self.transport(host, self.opts.start_timeout) + self.remote(*args)
 
     def commands(self, plan: JobPlan) -> list[list[str]]:
