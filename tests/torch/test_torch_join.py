@@ -63,7 +63,7 @@ def test_collectives_while_ranks_are_joined(job):
     running = [k for k in reps[1]["collectives"] if k.startswith("first0_")]
     for name in ("allreduce_sum", "allreduce_average", "allreduce_min", "allreduce_max",
                  "allreduce_product", "allgather", "async", "grouped", "grouped_inplace",
-                 "reduce_scatter",
+                 "reduce_scatter", "grouped_reducescatter", "int_average",
                  "alltoall", "grouped_allgather", "broadcast_parameters",
                  "broadcast_running_root", "broadcast_joined_root_raises",
                  "broadcast_object_raises", "allgather_object_raises", "after_errors"):

@@ -29,10 +29,10 @@ def test_grouped_allreduce_is_differentiable(job):
         assert g["allreduce_grad"] == n
 
 
-LOCAL = ["int_average", "bad_root", "bad_splits", "compression", "not_a_tensor",
+LOCAL = ["bool_average", "bad_root", "bad_splits", "compression", "not_a_tensor",
          "async_bad_op", "optimizer_sparse"]
 AGREED = ["dtype", "grouped_layout", "grouped_allgather_layout", "name", "model"]
-OWN_ERROR = {"int_average": "DDLConfigError", "bad_root": "DDLConfigError",
+OWN_ERROR = {"bool_average": "DDLConfigError", "bad_root": "DDLConfigError",
              "bad_splits": "DDLConfigError", "compression": "RuntimeError",
              "not_a_tensor": "AttributeError", "async_bad_op": "DDLConfigError",
              "optimizer_sparse": "DDLConfigError"}
@@ -59,7 +59,7 @@ def test_a_failure_on_one_rank_raises_on_every_rank_at_once(job):
                 assert f"rank {victim}: hvd." in got["msg"] and "failed here" in got["msg"], got
         for case in AGREED:
             assert f[case]["type"] == "DDLMismatchError", (rank, case, f[case])
-        assert "Average is not defined for int32" in f["int_average"]["msg"]
+        assert "Average is not defined for bool" in f["bool_average"]["msg"]
         assert f"root_rank {n} is outside" in f["bad_root"]["msg"]
         assert "name='a'" in f["name"]["msg"] and "name='b'" in f["name"]["msg"]
         assert f"rank {victim}: hvd.grouped_allreduce(3 tensors" in f["grouped_layout"]["msg"]

@@ -50,6 +50,21 @@ def _reduce_op(opts: Any, call: str) -> ddl.ReduceOp:
     )
 
 
+def _for_dtype(op: ddl.ReduceOp, t: torch.Tensor) -> tuple[ddl.ReduceOp, bool]:
+    """The op the core runs for ``t``, and whether the result is then divided by the group
+    size: AVG of an integer tensor is a SUM divided afterwards, truncating toward zero, as
+    NCCL computes it (PyTorch Lightning averages int64 counters with ``sync_dist=True``)."""
+    if op is ddl.Average and not (t.is_floating_point() or t.is_complex()
+                                  or t.dtype == torch.bool):
+        return ddl.Sum, True
+    return op, False
+
+
+def _divide_(t: torch.Tensor, size: int) -> None:
+    with torch.no_grad():
+        t.copy_(torch.div(t, size, rounding_mode="trunc"))
+
+
 class DDLWork(dist.Work):
     """A pending collective; ``get_future()`` yields the output tensors."""
 
@@ -204,17 +219,29 @@ class DDLProcessGroup(dist.ProcessGroup):
         return f"DDLProcessGroup(rank={self._rank}, size={self._size}{ranks})"
 
     # ---------------------------------------------------------------- allreduce
+    def _allreduce(self, tensors: Sequence[torch.Tensor], op: ddl.ReduceOp,
+                   what: str) -> DDLWork:
+        handles, divided = [], []
+        for t in tensors:
+            engine_op, divide = _for_dtype(op, t)
+            handles.append(ddl.allreduce_async_(t, engine_op, name=f"torch.{what}",
+                                                group=self._group))
+            if divide:
+                divided.append(t)
+
+        def finish() -> list:
+            for t in divided:
+                _divide_(t, self._size)
+            return list(tensors)
+
+        return _work(handles, finish, what)
+
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
-        op = _reduce_op(opts, "allreduce")
-        handles = [ddl.allreduce_async_(t, op, name="torch.allreduce",
-                                        group=self._group) for t in tensors]
-        return _work(handles, lambda: list(tensors), "allreduce")
+        return self._allreduce(tensors, _reduce_op(opts, "allreduce"), "allreduce")
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
-        op = _reduce_op(opts, "allreduce_coalesced")
-        handles = [ddl.allreduce_async_(t, op, name="torch.allreduce_coalesced", group=self._group)
-                   for t in tensors]
-        return _work(handles, lambda: list(tensors), "allreduce_coalesced")
+        return self._allreduce(tensors, _reduce_op(opts, "allreduce_coalesced"),
+                               "allreduce_coalesced")
 
     # ---------------------------------------------------------------- broadcast
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> DDLWork:
@@ -280,10 +307,10 @@ class DDLProcessGroup(dist.ProcessGroup):
             if len(ins) != self._size:
                 raise ValueError(f"reduce_scatter: {len(ins)} inputs for {self._size} ranks")
             stacked = torch.stack([i.reshape(-1) for i in ins])
-            pending.append((out, ddl.reduce_scatter_async(stacked, op,
+            pending.append((out, ddl.reduce_scatter_async(stacked, _for_dtype(op, out)[0],
                                                            name="torch.reduce_scatter",
-                                                          group=self._group)))
-        return _work([h for _, h in pending], _copy_rows(pending), "reduce_scatter")
+                                                           group=self._group)))
+        return _work([h for _, h in pending], self._copy_rows(pending, op), "reduce_scatter")
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> DDLWork:
@@ -291,10 +318,24 @@ class DDLProcessGroup(dist.ProcessGroup):
         if input.numel() != output.numel() * self._size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
                              f"expected {self._size} x {output.numel()}")
-        pending = [(output, ddl.reduce_scatter_async(input.reshape(self._size, -1), op,
+        pending = [(output, ddl.reduce_scatter_async(input.reshape(self._size, -1),
+                                                     _for_dtype(op, input)[0],
                                                      name="torch.reduce_scatter_tensor",
                                                      group=self._group))]
-        return _work([pending[0][1]], _copy_rows(pending), "reduce_scatter_tensor")
+        return _work([pending[0][1]], self._copy_rows(pending, op), "reduce_scatter_tensor")
+
+    def _copy_rows(self, pending: list[tuple[torch.Tensor, ddl.Handle]], op: ddl.ReduceOp
+                   ) -> Callable[[], list]:
+        copy = _copy_rows(pending)
+
+        def finish() -> list:
+            outs = copy()
+            for out in outs:
+                if _for_dtype(op, out)[1]:
+                    _divide_(out, self._size)
+            return outs
+
+        return finish
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -311,7 +352,7 @@ class DDLProcessGroup(dist.ProcessGroup):
         # memory, and only the root's tensor changes, as the reduce contract says.
         op = _reduce_op(opts, "reduce")
         root = opts.rootRank
-        pending = [(t, ddl.allreduce_async(t, op, name="torch.reduce",
+        pending = [(t, ddl.allreduce_async(t, _for_dtype(op, t)[0], name="torch.reduce",
                                            group=self._group)) for t in tensors]
 
         def finish():
@@ -320,6 +361,8 @@ class DDLProcessGroup(dist.ProcessGroup):
                     r = h.wait()
                     if self._rank == root:
                         t.copy_(r)
+                        if _for_dtype(op, t)[1]:
+                            _divide_(t, self._size)
             return list(tensors)
 
         return _work([h for _, h in pending], finish, "reduce")

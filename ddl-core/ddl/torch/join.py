@@ -87,9 +87,10 @@ def _serve(r: np.ndarray) -> None:
     nd = min(int(r[ng.NDIM]), ng.MAX_DIMS)
     shape = tuple(int(x) for x in r[ng.DIMS:ng.DIMS + nd])
     if kind == ng.ALLREDUCE:
-        _api._plan_allreduce(_zeros(code, shape), ddl.ReduceOp(int(r[ng.OP])), None, True)()
+        _api._plan_allreduce(_zeros(code, shape), ng.engine_op(int(r[ng.OP]), code), None,
+                             True)()
     elif kind == ng.REDUCE_SCATTER:
-        _api._plan_reduce_scatter(_zeros(code, shape), ddl.ReduceOp(int(r[ng.OP])))()
+        _api._plan_reduce_scatter(_zeros(code, shape), ng.engine_op(int(r[ng.OP]), code))()
     elif kind == ng.ALLGATHER:
         _api._plan_allgather(_zeros(code, (0,) + shape[1:]))()
     elif kind == ng.ALLTOALL:
@@ -114,16 +115,19 @@ def _serve(r: np.ndarray) -> None:
 def _serve_grouped(kind: int, r: np.ndarray, rows: np.ndarray) -> None:
     """The members of a grouped call, in the order the running ranks move them."""
     if kind == ng.GROUPED_ALLREDUCE:
-        op = ddl.ReduceOp(int(r[ng.OP]))
         for members in ng.buckets(rows):
             numel = sum(int(np.prod(ng.member_shape(rows, i), dtype=np.int64))
                         for i in members)
-            _api._plan_allreduce(_zeros(int(rows[members[0], 0]), (numel,)), op, None, True)()
+            code = int(rows[members[0], 0])
+            _api._plan_allreduce(_zeros(code, (numel,)), ng.engine_op(int(r[ng.OP]), code),
+                                 None, True)()
         return
     for i in range(rows.shape[0]):
         code, shape = int(rows[i, 0]), ng.member_shape(rows, i)
         if kind == ng.GROUPED_ALLGATHER:
             _api._plan_allgather(_zeros(code, (0,) + shape[1:]))()
+        elif kind == ng.GROUPED_REDUCE_SCATTER:
+            _api._plan_reduce_scatter(_zeros(code, shape), ng.engine_op(int(r[ng.OP]), code))()
         else:
             _api._plan_broadcast(_zeros(code, shape), int(r[ng.ARG]), True)()
 

@@ -101,6 +101,38 @@ def _needs_grad(tensors: Any) -> bool:
         return False  # not a sequence: the plan raises, on every rank
 
 
+# ------------------------------------------------------------------- scaling
+def _integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``factor * t`` as Horovod's ScaleBuffer computes it: an integer tensor is multiplied
+    in float64 and cast back to its dtype (truncated toward zero), never promoted."""
+    if _integer(t):
+        return (t.to(torch.float64) * factor).to(t.dtype)
+    return t * factor
+
+
+def _scale_(t: torch.Tensor, factor: float) -> None:
+    """:func:`_scaled`, in place."""
+    with torch.no_grad():
+        if _integer(t):
+            t.copy_(t.to(torch.float64).mul_(factor))
+        else:
+            t.mul_(factor)
+
+
+def _reduction(rop: ddl.ReduceOp, t: torch.Tensor, post: float) -> tuple[ddl.ReduceOp, float]:
+    """The op the engine runs and the postscale applied after it. Horovod averages by
+    summing and multiplying by ``postscale / size`` (in float64): for an integer tensor that
+    is exactly what happens here, so the result truncates toward zero as in Horovod."""
+    engine_op = ng.engine_op(rop, code_of(t))
+    if engine_op is not rop:
+        return engine_op, post / ddl.size()
+    return rop, post
+
+
 # ------------------------------------------------------------------- allreduce
 def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                prescale_factor: float, postscale_factor: float,
@@ -115,18 +147,18 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
         pre, post = float(prescale_factor), float(postscale_factor)
         sent, ctx = compression.compress(tensor)
         if pre != 1.0:
-            sent = sent * pre
+            sent = _scaled(sent, pre)
+        engine_op, scale = _reduction(rop, sent, post)
         # In place whenever the tensor sent is ours to overwrite: the caller's own for the
         # in-place spellings, or a temporary made by compression or prescaling. Out of place
         # would allocate a fresh result (page faults on every call for large tensors).
-        data = _api._plan_allreduce(sent, rop, None, inplace or sent is not tensor)
+        data = _api._plan_allreduce(sent, engine_op, None, inplace or sent is not tensor)
         call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
                     name=name)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
-            if post != 1.0:
-                with torch.no_grad():
-                    out.mul_(post)
+            if scale != 1.0:
+                _scale_(out, scale)
             out = compression.decompress(out, ctx)
             if inplace:
                 if out is not tensor:
@@ -231,32 +263,35 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
                     ndim=max((s.dim() for s, _ in sent), default=0), layout=members)
         rows = call.members()
         direct = inplace and compression is Compression.none and pre == 1.0
-        parts: list[tuple[list[int], torch.Tensor | None, Callable[[], Any]]] = []
+        parts: list[tuple[list[int], torch.Tensor | None, Callable[[], Any], float]] = []
         with torch.no_grad():
             for idx in ng.buckets(rows):
+                engine_op, scale = _reduction(rop, sent[idx[0]][0], post)
                 if direct and rows[idx[0], 1] == 0:
                     # CPU tensors reduced where they live, as one fused collective: nothing
                     # is packed
                     group = [ts[i] for i in idx]
-                    parts.append((idx, None, _api._plan_allreduce_into(group, None, rop)))
+                    parts.append((idx, None, _api._plan_allreduce_into(group, None, engine_op),
+                                  scale))
                     continue
                 flat = torch.cat([sent[i][0].reshape(-1) for i in idx])
                 if pre != 1.0:
-                    flat.mul_(pre)
-                parts.append((idx, flat, _api._plan_allreduce(flat, rop, None, True)))
+                    _scale_(flat, pre)
+                parts.append((idx, flat, _api._plan_allreduce(flat, engine_op, None, True),
+                              scale))
 
         def finish(_: Any) -> list[torch.Tensor]:
             out: list[Any] = [None] * len(ts)
             with torch.no_grad():
-                for idx, flat, _step in parts:
+                for idx, flat, _step, scale in parts:
                     if flat is None:  # reduced in place, where the tensors live
                         for i in idx:
-                            if post != 1.0:
-                                ts[i].mul_(post)
+                            if scale != 1.0:
+                                _scale_(ts[i], scale)
                             out[i] = ts[i]
                         continue
-                    if post != 1.0:
-                        flat.mul_(post)
+                    if scale != 1.0:
+                        _scale_(flat, scale)
                     off = 0
                     for i in idx:
                         s, ctx = sent[i]
@@ -269,7 +304,7 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
                         out[i] = r
             return out
 
-        return Planned(call, lambda r: [step() for _, _, step in parts], finish)
+        return Planned(call, lambda r: [step() for _, _, step, _ in parts], finish)
 
     return submit(ng.GROUPED_ALLREDUCE, name, plan, async_=async_,
                   label=name or "grouped_allreduce")
@@ -349,9 +384,40 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     return _allgather(tensor, name, process_set, True)
 
 
+def _offsets(dims: Sequence[int], process_set: Any) -> list[tuple[int, int]]:
+    """Where this rank's rows of each gathered tensor start, and how many there are: one
+    allgather of this rank's first dimensions, as Horovod's gradients do."""
+    table = _allgather(torch.tensor([list(dims)], dtype=torch.int64), None, process_set,
+                       False)
+    before = table[:ddl.rank()].sum(dim=0).tolist() if ddl.rank() else [0] * len(dims)
+    return [(int(b), int(d)) for b, d in zip(before, dims)]
+
+
+class _AllgatherFn(torch.autograd.Function):
+    """Horovod's allgather gradient: the Average allreduce of the gradient, of which this
+    rank takes its own rows (``HorovodAllgather.backward``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
+        ctx.scalar = tensor.dim() == 0
+        return _allgather(tensor, name, process_set, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = _allreduce(grad.contiguous(), None, None, ddl.Average, 1.0, 1.0,
+                             Compression.none, False, ctx.process_set, False)
+        (start, n), = _offsets([ctx.dim], ctx.process_set)
+        out = reduced.narrow(0, start, n)
+        return (out.reshape(()) if ctx.scalar else out), None, None
+
+
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = None) -> torch.Tensor:
-    """Concatenation of every rank's ``tensor`` along dimension 0 (sizes may differ)."""
+    """Concatenation of every rank's ``tensor`` along dimension 0 (sizes may differ).
+    Differentiable, as in Horovod."""
+    if _needs_grad([tensor]):
+        return _AllgatherFn.apply(tensor, name, process_set)
     return _allgather(tensor, name, process_set, False)
 
 
@@ -371,9 +437,34 @@ def _grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None, proces
                   label=name or "grouped_allgather")
 
 
+class _GroupedAllgatherFn(torch.autograd.Function):
+    """``_AllgatherFn`` for a group: one grouped Average allreduce of the gradients, one
+    allgather of the first dimensions."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(_grouped_allgather(tensors, name, process_set, False))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = _grouped([g.contiguous() for g in grads], None, None, ddl.Average, 1.0,
+                           1.0, Compression.none, False, ctx.process_set, False)
+        out = []
+        for r, (start, n), scalar in zip(reduced, _offsets(ctx.dims, ctx.process_set),
+                                         ctx.scalars):
+            piece = r.narrow(0, start, n)
+            out.append(piece.reshape(()) if scalar else piece)
+        return (None, None) + tuple(out)
+
+
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: Any = None) -> list[torch.Tensor]:
-    """``allgather`` of each tensor, as one call."""
+    """``allgather`` of each tensor, as one call. Differentiable."""
+    if _needs_grad(tensors):
+        return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
     return _grouped_allgather(tensors, name, process_set, False)
 
 
@@ -402,8 +493,29 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     return _broadcast(tensor, root_rank, name, False, process_set, True)
 
 
+class _BroadcastFn(torch.autograd.Function):
+    """Horovod's broadcast gradient (``HorovodBroadcast.backward``): the Average allreduce
+    of the gradient on the root, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root, ctx.process_set = root_rank, process_set
+        return _broadcast(tensor, root_rank, name, False, process_set, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = _allreduce(grad.contiguous(), None, None, ddl.Average, 1.0, 1.0,
+                             Compression.none, False, ctx.process_set, False)
+        if ddl.rank() != ctx.root:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = None) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every rank, as a new tensor. Differentiable."""
+    if _needs_grad([tensor]):
+        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
     return _broadcast(tensor, root_rank, name, False, process_set, False)
 
 
@@ -438,7 +550,7 @@ def broadcast_group_(tensors: Callable[[], Sequence[torch.Tensor]], root_rank: i
 
 # ------------------------------------------------- alltoall, reduce_scatter
 def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any,
-              async_: bool) -> Any:
+              async_: bool, with_splits: bool = False) -> Any:
     def plan() -> Planned:
         _check_process_set(process_set)
         s = None if splits is None else [int(x) for x in (
@@ -452,7 +564,7 @@ def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: 
 
         def finish(got: tuple[np.ndarray, Any]) -> Any:
             out, received = collectives.alltoall_receive(got[0], got[1], tail)
-            return out if splits is None else (out, received)
+            return out if splits is None and not with_splits else (out, received)
 
         call = Call(ng.ALLTOALL, code=code_of(tensor), shape=tuple(tensor.shape), name=name)
         return Planned(call, lambda r: (table(), data()), finish)
@@ -460,10 +572,32 @@ def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: 
     return submit(ng.ALLTOALL, name, plan, async_=async_, label=name or "alltoall")
 
 
+class _AlltoallFn(torch.autograd.Function):
+    """Horovod's alltoall gradient (``HorovodAlltoall.backward``): the alltoall of the
+    gradient back, with the splits this rank received."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = _alltoall(tensor, splits, name, process_set, False, True)
+        ctx.received, ctx.process_set = received, process_set
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        back, _ = _alltoall(grad.contiguous(), ctx.received, None, ctx.process_set, False,
+                            True)
+        return back, None, None, None
+
+
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
              name: str | None = None, process_set: Any = None) -> Any:
     """Send ``splits[j]`` rows to rank ``j``; returns the rows received (and, when
-    ``splits`` is given, how many came from each rank), like Horovod."""
+    ``splits`` is given, how many came from each rank), like Horovod. Differentiable."""
+    if _needs_grad([tensor]):
+        return _AlltoallFn.apply(tensor, splits, name, process_set)
     return _alltoall(tensor, splits, name, process_set, False)
 
 
@@ -472,28 +606,132 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None,
     return _alltoall(tensor, splits, name, process_set, True)
 
 
-def _reduce_scatter(tensor: torch.Tensor, op: Any, name: str | None, process_set: Any,
-                    async_: bool) -> Any:
+def _reducescatter(tensors: Sequence[torch.Tensor], op: Any, name: str | None,
+                   compression: type[Compressor], process_set: Any, prescale_factor: float,
+                   postscale_factor: float, grouped: bool, async_: bool) -> Any:
+    """The one reducescatter: reduce over ranks, then this rank's block of dimension 0
+    (``ddl.split_rows``: as even as possible, lower ranks first, as Horovod splits it).
+    One tensor is a REDUCE_SCATTER call, a group one GROUPED_REDUCE_SCATTER call."""
+    kind = ng.GROUPED_REDUCE_SCATTER if grouped else ng.REDUCE_SCATTER
+
     def plan() -> Planned:
         _check_process_set(process_set)
         rop = _op(None, op)
-        data = _api._plan_reduce_scatter(tensor, rop)
-        call = Call(ng.REDUCE_SCATTER, rop, code_of(tensor), tuple(tensor.shape), name=name)
-        return Planned(call, _no_r(data))
+        pre, post = float(prescale_factor), float(postscale_factor)
+        sent = [compression.compress(t) for t in tensors]
+        steps, scales = [], []
+        for i, (s, _) in enumerate(sent):
+            if pre != 1.0:
+                s = _scaled(s, pre)
+                sent[i] = (s, sent[i][1])
+            engine_op, scale = _reduction(rop, s, post)
+            steps.append(_api._plan_reduce_scatter(s, engine_op))
+            scales.append(scale)
+        if grouped:
+            members = ng.layout([(code_of(s), device_of(s), tuple(s.shape)) for s, _ in sent],
+                                gathering=False)
+            call = Call(kind, rop, pre=pre, post=post, name=name, count=len(sent),
+                        numel=sum(s.numel() for s, _ in sent),
+                        ndim=max((s.dim() for s, _ in sent), default=0), layout=members)
+        else:
+            s = sent[0][0]
+            call = Call(kind, rop, code_of(s), tuple(s.shape), pre=pre, post=post, name=name)
 
-    return submit(ng.REDUCE_SCATTER, name, plan, async_=async_,
-                  label=name or "reduce_scatter")
+        def finish(outs: list[torch.Tensor]) -> Any:
+            done = []
+            for out, scale, (_, ctx) in zip(outs, scales, sent):
+                if scale != 1.0:
+                    _scale_(out, scale)
+                done.append(compression.decompress(out, ctx))
+            return done if grouped else done[0]
+
+        return Planned(call, lambda r: [step() for step in steps], finish)
+
+    return submit(kind, name, plan, async_=async_, label=name or ng.NAMES[kind])
+
+
+def _one(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [tensor] if isinstance(tensor, torch.Tensor) else tensor  # the plan rejects others
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    """Horovod's reducescatter gradient: the allgather of the gradient, times ``size()``
+    for Sum (Horovod's ``test_horovod_reducescatter_grad`` expects ``size`` for a gradient
+    of ones, 1 for Average), times the scale factors."""
+
+    @staticmethod
+    def forward(ctx, op, name, compression, process_set, prescale, postscale, grouped,
+                *tensors):
+        ctx.args = (op, process_set, float(prescale) * float(postscale), grouped)
+        out = _reducescatter(tensors, op, name, compression, process_set, prescale,
+                             postscale, grouped, False)
+        return tuple(out) if grouped else out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, process_set, scale, grouped = ctx.args
+        factor = scale * (ddl.size() if _op(None, op) is ddl.Sum else 1)
+        gathered = _grouped_allgather([g.contiguous() for g in grads], None, process_set,
+                                      False)
+        if factor != 1.0:
+            gathered = [g * factor for g in gathered]
+        return (None,) * 7 + tuple(gathered)
+
+
+def _reducescatter_entry(tensors: Sequence[torch.Tensor], op: Any, name: str | None,
+                         compression: type[Compressor], process_set: Any, prescale: float,
+                         postscale: float, grouped: bool) -> Any:
+    if _needs_grad(tensors):
+        out = _ReducescatterFn.apply(op, name, compression, process_set, prescale, postscale,
+                                     grouped, *tensors)
+        return list(out) if grouped else out
+    return _reducescatter(tensors, op, name, compression, process_set, prescale, postscale,
+                          grouped, False)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] = Compression.none, op: Any = None,
+                  process_set: Any = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Horovod's ``reducescatter``: the Average (or ``op``) over ranks of ``tensor``, of
+    which this rank gets its block of dimension 0. Differentiable."""
+    return _reducescatter_entry(_one(tensor), op, name, compression, process_set,
+                                prescale_factor, postscale_factor, False)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = None,
+                        process_set: Any = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    return _reducescatter(_one(tensor), op, name, Compression.none, process_set,
+                          prescale_factor, postscale_factor, False, True)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none, op: Any = None,
+                          process_set: Any = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """``reducescatter`` of each tensor, as one call. Differentiable."""
+    return _reducescatter_entry(list(tensors), op, name, compression, process_set,
+                                prescale_factor, postscale_factor, True)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = None, process_set: Any = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0
+                                ) -> Handle:
+    return _reducescatter(list(tensors), op, name, Compression.none, process_set,
+                          prescale_factor, postscale_factor, True, True)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: Any = None, name: str | None = None,
                    process_set: Any = None) -> torch.Tensor:
-    """Reduce over ranks, then this rank's block of dimension 0 (``ddl.split_rows``)."""
-    return _reduce_scatter(tensor, op, name, process_set, False)
+    """ddl's earlier spelling of :func:`reducescatter` (``op`` first), kept as an alias."""
+    return reducescatter(tensor, name=name, op=op, process_set=process_set)
 
 
 def reduce_scatter_async(tensor: torch.Tensor, op: Any = None, name: str | None = None,
                          process_set: Any = None) -> Handle:
-    return _reduce_scatter(tensor, op, name, process_set, True)
+    return reducescatter_async(tensor, name=name, op=op, process_set=process_set)
 
 
 # --------------------------------------------------------------- join, barrier

@@ -67,25 +67,25 @@ _INT64 = _dtypes.BY_NAME["int64"]
 # kinds
 (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, BARRIER, BROADCAST_OBJECT,
  ALLGATHER_OBJECT, PLAN, GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST,
- SHUTDOWN) = range(1, 14)
+ SHUTDOWN, GROUPED_REDUCE_SCATTER) = range(1, 15)
 NAMES = {
     ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
     REDUCE_SCATTER: "reduce_scatter", ALLTOALL: "alltoall", BARRIER: "barrier",
     BROADCAST_OBJECT: "broadcast_object", ALLGATHER_OBJECT: "allgather_object",
     PLAN: "DistributedOptimizer plan broadcast", GROUPED_ALLREDUCE: "grouped_allreduce",
     GROUPED_ALLGATHER: "grouped_allgather", GROUPED_BROADCAST: "broadcast_parameters",
-    SHUTDOWN: "shutdown",
+    SHUTDOWN: "shutdown", GROUPED_REDUCE_SCATTER: "grouped_reducescatter",
 }
-REDUCING = (ALLREDUCE, REDUCE_SCATTER, GROUPED_ALLREDUCE)
+REDUCING = (ALLREDUCE, REDUCE_SCATTER, GROUPED_ALLREDUCE, GROUPED_REDUCE_SCATTER)
 ROOTED = (BROADCAST, BROADCAST_OBJECT, GROUPED_BROADCAST)
 GATHERING = (ALLGATHER, ALLTOALL)  # the first dimension may differ between ranks
-GROUPED = (GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST)
+GROUPED = (GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
 OBJECTS = (BROADCAST_OBJECT, ALLGATHER_OBJECT)  # need every rank's data: not after join
 # A joined rank rebuilds these shapes from the descriptor or the layout, which fold the
 # dimensions past MAX_DIMS; the engines compare the real shapes, so such calls cannot be
 # served. Grouped allreduce moves flat buffers: any shape is fine.
 _EXACT_SHAPES = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, GROUPED_ALLGATHER,
-                 GROUPED_BROADCAST)
+                 GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
 _MEMBER = 3 + MAX_DIMS  # layout words per member: dtype code, device, ndim, dims
 _JOINED_NOTE = "hvd.join() (finished, serving the others)"
 
@@ -180,6 +180,18 @@ def code_of(x: Any) -> int:
     if _tensors.is_torch(x):
         return _tensors.dtype_of(x).code
     return _dtypes.from_numpy(np.asarray(x).dtype).code
+
+
+def engine_op(op: int, code: int) -> ddl.ReduceOp:
+    """The op the engines run for a call of ``op`` on dtype ``code``: Horovod averages an
+    integer tensor as a Sum scaled afterwards (mpi_ops), so every rank, joined ones too,
+    runs Sum for it; any other call runs its own op."""
+    rop = ddl.ReduceOp(op)
+    if rop is ddl.Average:
+        dt = _dtypes.BY_CODE.get(code)
+        if dt is not None and not (dt.is_float or dt.is_complex or dt.is_bool):
+            return ddl.Sum
+    return rop
 
 
 def device_of(x: Any) -> int:

@@ -210,6 +210,15 @@ def check_running(ok, active, tag):
     rs = hvd.reduce_scatter(torch.full((2 * N, 3), float(R + 1)), op=hvd.Sum)
     ok[f"{tag}reduce_scatter"] = np.array_equal(
         rs.numpy(), np.full((2, 3), float(sum(r + 1 for r in active))))
+    grs = hvd.grouped_reducescatter([torch.full((2 * N, 3), float(R + 1)),
+                                     torch.full((N,), R + 1, dtype=torch.int64)], op=hvd.Sum)
+    ok[f"{tag}grouped_reducescatter"] = (
+        np.array_equal(grs[0].numpy(), np.full((2, 3), float(sum(r + 1 for r in active))))
+        and grs[1].tolist() == [sum(r + 1 for r in active)])
+    # integer Average, as Horovod: a Sum on every rank (joined ones too), then * (1 / size),
+    # truncated toward zero
+    ia = hvd.allreduce(torch.full((3,), -7 * (R + 1), dtype=torch.int64))
+    ok[f"{tag}int_average"] = ia.tolist() == [int(-7 * sum(r + 1 for r in active) * (1 / N))] * 3
     # alltoall: rank r sends j+1 rows to rank j; joined ranks send nothing
     send = torch.cat([torch.full((j + 1, 2), float(10 * R + j)) for j in range(N)])
     out, received = hvd.alltoall(send, splits=[j + 1 for j in range(N)])
@@ -282,10 +291,10 @@ def mismatch():
             res = raises(lambda: hvd.allreduce(torch.ones(2 + R)), "hvd.join()",
                          "float32[3]", "float32[4]")
             ok["with_joined"] = res["ok"]
-            # a call that fails on the last rank only (int with Average) fails on every
+            # a call that fails on the last rank only (bool with Average) fails on every
             # running rank; the joined one serves on
             res = raises(lambda: hvd.allreduce(
-                torch.ones(2, dtype=torch.int32) if R == N - 1 else torch.ones(2)),
+                torch.ones(2, dtype=torch.bool) if R == N - 1 else torch.ones(2)),
                 "Average is not defined")
             ok["failure_with_joined"] = res["ok"] and (R == N - 1 or "failed here" in res["msg"])
             ok["with_joined_then_sum"] = float(hvd.allreduce(torch.ones(1), op=hvd.Sum)) == N - 1

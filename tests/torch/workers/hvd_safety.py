@@ -122,8 +122,8 @@ def failures():
     out = {}
     x = torch.ones(4)
     cases = {
-        "int_average": lambda: hvd.allreduce(
-            torch.ones(4, dtype=torch.int32) if R == V else x),
+        "bool_average": lambda: hvd.allreduce(
+            torch.ones(4, dtype=torch.bool) if R == V else x),
         "bad_root": lambda: hvd.broadcast(x, root_rank=N if R == V else 0),
         "bad_splits": lambda: hvd.alltoall(torch.ones(N, 2),
                                            splits=[N + 1] + [0] * (N - 1) if R == V else None),

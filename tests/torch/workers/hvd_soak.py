@@ -74,9 +74,9 @@ def draw(i: int, pending_names: list[str]) -> dict:
          "name": f"n{i}" if rng.random() < 0.3 else None, "inject": None,
          "victim": int(rng.integers(N))}
     if rng.random() < 0.12:
-        choices = {"allreduce": ["op", "dtype", "shape", "int_average"],
-                   "allreduce_": ["op", "shape", "int_average"],
-                   "grouped_allreduce": ["shape", "int_average"],
+        choices = {"allreduce": ["op", "dtype", "shape", "bool_average"],
+                   "allreduce_": ["op", "shape", "bool_average"],
+                   "grouped_allreduce": ["shape", "bool_average"],
                    "grouped_allreduce_": ["shape"],
                    "allgather": ["shape", "dtype"], "grouped_allgather": ["shape"],
                    "broadcast": ["bad_root", "root", "shape"],
@@ -106,8 +106,8 @@ def issue(c: dict):
         rop = hvd.Max if op != "max" else hvd.Sum
     extra = 1 if mine == "shape" else 0
     my_dt = (torch.float64 if dt != torch.float64 else torch.float32) if mine == "dtype" else dt
-    if mine == "int_average":
-        my_dt, rop = torch.int32, hvd.Average
+    if mine == "bool_average":
+        my_dt, rop = torch.bool, hvd.Average
     a = c["async"]
     if kind in ("allreduce", "allreduce_"):
         x = data(i, R, (n + extra,), my_dt)
@@ -125,8 +125,8 @@ def issue(c: dict):
         xs = [data(i, R, s, d, k) for k, (s, d) in enumerate(zip(shapes, dts))]
         if mine == "shape":
             xs.append(torch.ones(2))
-        if mine == "int_average":
-            xs[0], rop = xs[0].to(torch.int32), hvd.Average
+        if mine == "bool_average":
+            xs[0], rop = xs[0].to(torch.bool), hvd.Average
         wants = [reduce(op, [data(i, r, s, d, k).numpy() for r in range(N)])
                  for k, (s, d) in enumerate(zip(shapes, dts))]
         if kind == "grouped_allreduce":
