@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.powerddl-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint docs conda clean
+.PHONY: install demo test test-fast bench lint docs conda docker clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,25 @@ conda: install
 	       "(py-rattler + conda-package-handling, not conda-build)"; \
 	  $(BIN)/python recipes/tools/localbuild.py build recipes/powerddl --output-dir $(CONDA_OUT); \
 	fi
+
+# Container images powerddl:<variant>-<version> (docker/Dockerfile.<variant>) with docker,
+# podman or buildah, whichever is found first. DOCKER_BUILD_ARGS passes more, e.g.
+#   make docker DOCKER_VARIANTS=cpu DOCKER_BUILD_ARGS="--build-arg BASE_IMAGE=my/bookworm"
+DOCKER_VARIANTS   ?= cpu cuda
+DOCKER_REPO       ?= powerddl
+DOCKER_BUILD_ARGS ?=
+DDL_VERSION       := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+
+docker:
+	@if command -v docker >/dev/null 2>&1; then build="docker build"; \
+	elif command -v podman >/dev/null 2>&1; then build="podman build --format docker"; \
+	elif command -v buildah >/dev/null 2>&1; then build="buildah bud --format docker"; \
+	else echo "make docker: needs docker, podman or buildah on PATH" >&2; exit 1; fi; \
+	for variant in $(DOCKER_VARIANTS); do \
+	  echo "make docker: $$build -f docker/Dockerfile.$$variant -t $(DOCKER_REPO):$$variant-$(DDL_VERSION)"; \
+	  $$build -f docker/Dockerfile.$$variant --build-arg DDL_VERSION=$(DDL_VERSION) \
+	    $(DOCKER_BUILD_ARGS) -t $(DOCKER_REPO):$$variant-$(DDL_VERSION) -t $(DOCKER_REPO):$$variant . || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

