@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +48,8 @@ def init() -> None:
         world = world_from_env()
         opts = options.parse(config.get("DDL_OPTIONS"))
         options.check_grid(opts, world.size)
+        if opts.dbg_level or opts.dump_iter:
+            _show_diagnostics()
         world, rdzv = _identify(world)
         try:
             engine = _make_engine(world, opts, rdzv)
@@ -54,17 +58,39 @@ def init() -> None:
                 rdzv.close()
             raise
         if opts.dbg_level and world.rank == 0:
-            import sys
-
             desc = engine.describe() if hasattr(engine, "describe") else engine.name
-            print(f"[ddl] {world.size} ranks on {world.num_hosts} host(s), engine "
-                  f"{engine.name}: {desc}; options {opts.to_string() or '(none)'}",
-                  file=sys.stderr, flush=True)
+            _log.info("[ddl] %d ranks on %d host(s), engine %s: %s; options %s", world.size,
+                      world.num_hosts, engine.name, desc, opts.to_string() or "(none)")
         _world, _engine, _runtime, _options = world, engine, Runtime(), opts
         _rdzv = rdzv
         _devices = DeviceRouter(world, opts, _rendezvous)
         _maker = GroupMaker(world, engine, _runtime, timeout=config.get("DDL_TIMEOUT"),
                             chunk_bytes=config.get("DDL_CHUNK_BYTES"), shm_kwargs=_shm_kwargs())
+
+
+_log = logging.getLogger("ddl")
+
+
+class _StderrLines(logging.StreamHandler):
+    """The message alone, on whatever ``sys.stderr`` is when the record comes."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.setStream(sys.stderr)
+        super().emit(record)
+
+
+def _show_diagnostics() -> None:
+    """``-dbg_level`` / ``-dump_iter`` asked for ddl's INFO lines (on rank 0): they go to the
+    "ddl" logger, and unless the program gave that logger handlers of its own, one is added
+    that prints each line to stderr as it always looked (handlers on the root logger get
+    the records too, as they get ddl's warnings). The logger's level is raised to INFO only
+    when the program left it unset."""
+    if _log.level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
+    if not _log.handlers:
+        handler = _StderrLines()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _log.addHandler(handler)
 
 
 def _identify(world: World) -> tuple[World, Any]:
@@ -518,7 +544,7 @@ def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None,
 
 def split_rows(rows: int, n: int) -> list[int]:
     """How reduce_scatter splits dimension 0: as evenly as possible, lower ranks first."""
-    return [rows // n + (1 if j < rows % n else 0) for j in range(n)]
+    return grid.even_split(rows, n)
 
 
 def _plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], Any]:

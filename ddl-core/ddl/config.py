@@ -201,6 +201,34 @@ _VARS += [
            "(0: fuse by size only)"),
 ]
 
+
+def _manager(name: str, doc: str) -> EnvVar:
+    return EnvVar(name, str, None, f"set by the process manager: {doc}")
+
+
+_VARS += [
+    # Set by process managers (mpirun, srun, PMIx), never by users: read only when the
+    # torchrun variables above are missing, for jobs started without ddlrun. Raw strings;
+    # topology copies them into RANK etc., whose types parse them.
+    _manager("OMPI_COMM_WORLD_RANK", "Open MPI's rank (RANK when that is unset)"),
+    _manager("OMPI_COMM_WORLD_SIZE", "Open MPI's world size (WORLD_SIZE when that is unset)"),
+    _manager("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI's rank on this host (LOCAL_RANK)"),
+    _manager("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI's ranks on this host (LOCAL_WORLD_SIZE)"),
+    _manager("OMPI_MCA_ess_base_jobid", "Open MPI's job id (derives the job id)"),
+    _manager("PMI_RANK", "PMI's rank (MPICH, Intel MPI; RANK)"),
+    _manager("PMI_SIZE", "PMI's world size (WORLD_SIZE)"),
+    _manager("PMI_KVSNAME", "PMI's key-value space name (derives the job id)"),
+    _manager("MPI_LOCALRANKID", "MPICH/Intel MPI's rank on this host (LOCAL_RANK)"),
+    _manager("MPI_LOCALNRANKS", "MPICH/Intel MPI's ranks on this host (LOCAL_WORLD_SIZE)"),
+    _manager("PMIX_RANK", "PMIx's rank (marks a job mpirun started)"),
+    _manager("PMIX_NAMESPACE", "PMIx's namespace, Open MPI 5 and PRRTE (derives the job id)"),
+    _manager("SLURM_PROCID", "Slurm's task rank (RANK)"),
+    _manager("SLURM_NTASKS", "Slurm's task count (WORLD_SIZE)"),
+    _manager("SLURM_LOCALID", "Slurm's task rank on this node (LOCAL_RANK)"),
+    _manager("SLURM_JOB_ID", "Slurm's job id (with SLURM_STEP_ID, derives the job id)"),
+    _manager("SLURM_STEP_ID", "Slurm's step id (with SLURM_JOB_ID, derives the job id)"),
+]
+
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
 
 

@@ -16,6 +16,14 @@ from .errors import DDLConfigError
 from .options import Options
 
 
+def even_split(n_items: int, n_parts: int) -> list[int]:
+    """``n_items`` in ``n_parts`` counts as even as possible, the larger ones first (lower
+    ranks get the extra item). The one rule for every split of rows or elements over ranks:
+    reduce_scatter's dimension 0, the ring's segments, Horovod's ``num_groups``."""
+    base, extra = divmod(n_items, n_parts)
+    return [base + 1] * extra + [base] * (n_parts - extra)
+
+
 @dataclass(frozen=True)
 class Dim:
     index: int

@@ -54,10 +54,11 @@ def manager_job_id(env: Mapping[str, str] | None = None) -> str | None:
     PMIx's namespace (Open MPI 5, PRRTE), Open MPI's jobid, or Slurm's job and step."""
     env = os.environ if env is None else env
     for name in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_KVSNAME"):
-        if env.get(name):
-            return _from_name(name, env[name])
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
-        return _from_name("SLURM", f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}")
+        if value := config.get(name, env):
+            return _from_name(name, value)
+    job, step = config.get("SLURM_JOB_ID", env), config.get("SLURM_STEP_ID", env)
+    if job and step:
+        return _from_name("SLURM", f"{job}.{step}")
     return None
 
 

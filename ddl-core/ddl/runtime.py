@@ -6,11 +6,14 @@ messages free of a thread hand-off."""
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from .errors import DDLError
+from .errors import DDLError, DDLTimeoutError
+
+_log = logging.getLogger("ddl")
 
 _waiting = [0]  # threads blocked in Handle.wait(): their cores are idle
 _waiting_lock = threading.Lock()
@@ -48,7 +51,8 @@ class Handle:
                 with _waiting_lock:
                     _waiting[0] -= 1
             if not done:
-                raise DDLError(f"{self.name or 'operation'} did not finish within {timeout}s")
+                raise DDLTimeoutError(
+                    f"{self.name or 'operation'} did not finish within {timeout}s")
         if self._error is not None:
             raise self._error
         return self._result
@@ -70,8 +74,8 @@ class Handle:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # noqa: S110 - a caller's callback must not kill the worker
-                pass
+            except Exception:  # a caller's callback must not kill the worker: say so, go on
+                _log.exception("ddl: a done-callback of %s raised", self.name or "an operation")
 
     def __repr__(self) -> str:
         state = "done" if self.poll() else "pending"

@@ -30,7 +30,7 @@ class World:
         return self.num_hosts
 
 
-_MPI_VARS = {  # what Open MPI and Slurm set, for jobs mpirun/srun started without ddlrun
+_MPI_VARS = {  # what process managers set (registered in config), for jobs without ddlrun
     "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"),
     "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"),
     "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"),
@@ -43,15 +43,15 @@ def _with_mpi_fallbacks(env: Mapping[str, str]) -> dict[str, str]:
     for ours, theirs in _MPI_VARS.items():
         if not out.get(ours):
             for name in theirs:
-                if env.get(name):
-                    out[ours] = env[name]
+                if value := config.get(name, env):
+                    out[ours] = value
                     break
     return out
 
 
 def world_from_env(env: Mapping[str, str] | None = None) -> World:
     raw = os.environ if env is None else env
-    by_mpi = any(raw.get(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+    by_mpi = any(config.get(v, raw) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
     env = _with_mpi_fallbacks(raw)
     size = config.get("WORLD_SIZE", env)
     rank = config.get("RANK", env)

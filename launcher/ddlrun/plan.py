@@ -33,6 +33,7 @@ NCCL_IB_DISABLE=1  with --tcp
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 from .errors import UsageError
 from .hosts import HostSpec, is_local
+from .shm import job_id_rule
 
 RANK_ENV = (
     "RANK",
@@ -65,8 +67,6 @@ SECRET_ENV = ("DDL_JOB_SECRET",)  # values never printed (describe, -v, --dry-ru
 SECRET_SOURCES = ("DDL_JOB_SECRET", "DDL_JOB_SECRET_FILE")  # either: the user has a secret
 MASK = "<secret>"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
-_MODE = re.compile(r"^([rnbp]+)(?::(\d+(?:x\d+)*))?$")
 DEFAULT_MODE = "p"
 
 
@@ -349,19 +349,8 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | Non
     for host, _ in placement:
         per_host[host] = per_host.get(host, 0) + 1
     mode = req.mode or DEFAULT_MODE
-    m = _MODE.match(mode)
-    if not m:
-        raise UsageError(
-            f"--mode {mode!r} is invalid: use letters r/n/b/p, optionally with a grid, "
-            "e.g. 'p' or 'b:4x2'"
-        )
-    letters, dims = m.groups()
+    letters, _, dims = mode.partition(":")
     if dims:
-        product = 1
-        for d in dims.split("x"):
-            product *= int(d)
-        if product != world:
-            raise UsageError(f"--mode {mode!r}: grid {dims} has {product} ranks, job has {world}")
         spec = mode
     else:
         counts = set(per_host.values())
@@ -371,7 +360,26 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | Non
             )
         else:  # uneven hosts: no grid describes them, use one flat dimension
             spec = f"{letters}:{world}"
+    shape = _parse_mode(spec, mode)
+    if dims and shape is not None and math.prod(shape) != world:
+        raise UsageError(f"--mode {mode!r}: grid {dims} has {math.prod(shape)} ranks, "
+                         f"job has {world}")
     return " ".join(("-mode", spec, *req.ddloptions))
+
+
+def _parse_mode(spec: str, given: str) -> tuple[int, ...] | None:
+    """The grid of ``spec`` by ddl's own ``-mode`` grammar (``ddl.options.parse_mode``, the one
+    copy). Where ``import ddl`` fails the launcher cannot check it: the workers' ddl does,
+    when it reads DDL_OPTIONS."""
+    try:
+        from ddl.errors import DDLConfigError
+        from ddl.options import parse_mode
+    except ImportError:
+        return None
+    try:
+        return parse_mode(spec)[1]
+    except DDLConfigError as e:
+        raise UsageError(f"--mode {given!r} is invalid: {e}") from None
 
 
 # ---------------------------------------------------------------------------- env
@@ -382,7 +390,7 @@ def validate_env_name(name: str) -> str:
 
 
 def validate_job_id(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
+    if not job_id_rule().match(job_id):
         raise UsageError(f"job id {job_id!r} is invalid: 1-64 characters of [A-Za-z0-9_.]")
     return job_id
 

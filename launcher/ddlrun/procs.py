@@ -3,7 +3,9 @@
 Every child runs in its own session (process group), so closing signals the whole tree
 the child may have forked. ``close`` sends SIGTERM (or the given signal) to every group,
 waits until one monotonic deadline, then SIGKILLs what is left. On Linux children also get
-``PR_SET_PDEATHSIG=SIGKILL``, so they die if their supervisor is killed outright.
+``PR_SET_PDEATHSIG=SIGKILL``, so they die if their supervisor is killed outright: set by
+``pdeath.py``, which execs the program, since no Python code may run between fork and exec
+while our reader threads run (``preexec_fn``).
 Exits are reported through a callback with their monotonic timestamp as soon as the
 process is reaped, not after its output ends: a child it forked may hold the pipes open
 for long, and the earliest exit (the cause) must not be reported after its consequences.
@@ -16,7 +18,6 @@ child's session: a rank that cannot run never exits, so only its state can name 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -55,12 +56,26 @@ OnExit = Callable[[Exit], None]
 OnEof = Callable[[int], None]
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+_PDEATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pdeath.py")
+_LINUX = sys.platform.startswith("linux")
+
+
+def _pdeath_argv(argv: Iterable[str], env: Mapping[str, str], status_fd: int) -> list[str]:
+    """``argv`` run through ``pdeath.py`` (see there), which dies with this process."""
+    lc_ctype = "=" + env["LC_CTYPE"] if "LC_CTYPE" in env else ""
+    return [sys.executable, "-I", "-S", _PDEATH, str(os.getpid()), str(status_fd), lc_ctype,
+            *argv]
+
+
+def _exec_status(fd: int, program: str) -> OSError | None:
+    """What ``pdeath.py`` reported through its status pipe: None once it has exec'd the
+    program (the pipe closes empty), else the error ``Popen`` would have raised."""
+    with os.fdopen(fd, "rb") as pipe:
+        data = pipe.read()
+    if not data:
+        return None
+    code = int(data)
+    return OSError(code, os.strerror(code), program)
 
 
 class ProcessSet:
@@ -85,24 +100,61 @@ class ProcessSet:
 
     # ------------------------------------------------------------------ start
     def start(self, specs: Iterable[ProcSpec]) -> None:
-        for spec in specs:
+        """Start every spec (all at once: on Linux each goes through ``pdeath.py``, whose
+        exec is awaited only after all have been spawned); raise the first one's OSError
+        when a program cannot be started, the others left running for ``close``."""
+        started = []
+        try:
+            for spec in specs:
+                started.append((spec, *self._spawn(spec)))
+        finally:
+            error = None
+            for spec, proc, status_fd in started:
+                failed = _exec_status(status_fd, spec.argv[0]) if status_fd is not None else None
+                if failed is None:
+                    self._watch(spec, proc)
+                else:
+                    error = error or failed
+                    proc.wait()
+                    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                        if pipe is not None:
+                            pipe.close()
+        if error is not None:
+            raise error
+
+    def _spawn(self, spec: ProcSpec) -> tuple[subprocess.Popen, int | None]:
+        argv, pass_fds, status_r = list(spec.argv), (), None
+        if _LINUX:
+            status_r, status_w = os.pipe()
+            argv, pass_fds = _pdeath_argv(argv, spec.env, status_w), (status_w,)
+        try:
             proc = subprocess.Popen(
-                list(spec.argv),
+                argv,
                 env=dict(spec.env),
                 cwd=spec.cwd,
                 stdin=subprocess.PIPE if spec.stdin_pipe else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+                pass_fds=pass_fds,
             )
-            self.procs[spec.key] = proc
-            self._open_streams[spec.key] = 2
-            self._readers[spec.key] = [
-                self._thread(self._read, spec.key, proc.stdout, "stdout", spec.max_line),
-                self._thread(self._read, spec.key, proc.stderr, "stderr", spec.max_line),
-            ]
-            self._thread(self._wait, spec.key, proc)
+        except BaseException:
+            if status_r is not None:
+                os.close(status_r)
+            raise
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
+        return proc, status_r
+
+    def _watch(self, spec: ProcSpec, proc: subprocess.Popen) -> None:
+        self.procs[spec.key] = proc
+        self._open_streams[spec.key] = 2
+        self._readers[spec.key] = [
+            self._thread(self._read, spec.key, proc.stdout, "stdout", spec.max_line),
+            self._thread(self._read, spec.key, proc.stderr, "stderr", spec.max_line),
+        ]
+        self._thread(self._wait, spec.key, proc)
 
     def _thread(self, target, *args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, daemon=True)

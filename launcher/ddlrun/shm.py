@@ -11,7 +11,18 @@ import re
 import sys
 from types import ModuleType
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+from .errors import LaunchError
+
+
+def job_id_rule() -> re.Pattern[str]:
+    """The job-id rule, from its one copy in ``ddl/engines/orphans.py`` (standard library
+    only, so it loads where ``import ddl`` fails). ddl and ddlrun ship as one distribution:
+    a missing core is a broken install."""
+    orphans = orphans_module()
+    if orphans is None:
+        raise LaunchError("ddlrun: the ddl package is not installed next to ddlrun; "
+                          "reinstall powerddl")
+    return orphans.JOB_ID
 
 
 def cleanup(job_id: str, host_index: int | None) -> list[str]:
@@ -23,7 +34,7 @@ def cleanup(job_id: str, host_index: int | None) -> list[str]:
 
 
 def _fallback(job_id: str, host_index: int | None, shm_dir: str = "/dev/shm") -> list[str]:
-    if not _JOB_ID.match(job_id):
+    if not job_id_rule().match(job_id):
         return []
     prefix = f"ddl-{job_id}-h" + ("" if host_index is None else f"{host_index}-")
     removed = []

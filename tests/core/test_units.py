@@ -232,3 +232,61 @@ def test_torch_errors_are_classified_case_insensitively(text, kind):
     err = classify(RuntimeError(text + "\nmore"), "rank 1: allreduce on g failed")
     assert isinstance(err, DDLTimeoutError if kind == "timeout" else DDLPeerError)
     assert str(err) == "rank 1: allreduce on g failed: " + text
+
+
+def test_even_split_is_the_one_rule_of_every_split():
+    from ddl import grid, split_rows
+    from ddl.algorithms.multidim import chunk_sizes
+    from ddl.torch.fusion import split_evenly
+
+    assert grid.even_split(10, 4) == [3, 3, 2, 2] and grid.even_split(3, 5) == [1, 1, 1, 0, 0]
+    assert grid.even_split(0, 2) == [0, 0] and grid.even_split(8, 4) == [2] * 4
+    for n in range(20):
+        for parts in range(1, 7):
+            counts = grid.even_split(n, parts)
+            assert sum(counts) == n and max(counts) - min(counts) <= 1
+            assert counts == sorted(counts, reverse=True) == split_rows(n, parts)
+    assert [len(g) for g in split_evenly(7, 3)] == [3, 2, 2]
+    assert sum(chunk_sizes(1000, 64)) == 1000
+
+
+def test_busbw_has_one_formula():
+    from ddl.perf.allreduce import Result, busbw
+
+    assert busbw(10**9, 1.0, 4) == pytest.approx(1.5) and busbw(10**9, 1.0, 1) == 0.0
+    r = Result("ddl", 4, 10**9, 0.5, (0.5,), True)
+    assert r.busbw == busbw(10**9, 0.5, 4) == pytest.approx(3.0)
+
+
+def test_process_manager_variables_are_registered_and_read_through_config():
+    from ddl import identity
+
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_SIZE", "SLURM_PROCID", "PMIX_NAMESPACE",
+                 "SLURM_STEP_ID", "MPI_LOCALNRANKS"):
+        assert name in config.REGISTRY
+    w = topology.world_from_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                                 "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (w.rank, w.size, w.local_rank, w.local_size, w.launched_by_mpi) == (2, 4, 0, 2, True)
+    assert identity.manager_job_id({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": ""}) is None
+    assert identity.manager_job_id({"PMIX_NAMESPACE": ""}) is None
+    assert identity.manager_job_id({"PMIX_NAMESPACE": "ns"}).startswith("pm")
+
+
+def test_diagnostics_print_their_line_on_stderr_when_logging_is_unconfigured(capsys):
+    import logging
+
+    from ddl import api
+
+    log = logging.getLogger("ddl")
+    saved = log.level, list(log.handlers)
+    try:
+        log.handlers.clear()
+        log.setLevel(logging.NOTSET)
+        api._show_diagnostics()
+        api._show_diagnostics()  # idempotent: one handler
+        log.info("[ddl] a line")
+        assert capsys.readouterr().err == "[ddl] a line\n" and len(log.handlers) == 1
+    finally:
+        log.setLevel(saved[0])
+        log.handlers[:] = saved[1]

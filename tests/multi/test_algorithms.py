@@ -8,8 +8,8 @@ import pytest
 
 from ddl import cost
 from ddl.algorithms import ring
-from ddl.algorithms.dims import split
 from ddl.dtypes import BY_NAME
+from ddl.grid import even_split
 from ddl.ops import Sum
 
 
@@ -46,7 +46,7 @@ def _run(n, count, alg):
     rng = np.random.default_rng(count)
     inputs = [rng.integers(-50, 50, count).astype(np.int64) for _ in range(n)]
     bufs = [x.copy() for x in inputs]
-    counts = split(count, n)
+    counts = even_split(count, n)
     dt = BY_NAME["int64"]
     errors = {}
 

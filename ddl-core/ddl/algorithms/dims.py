@@ -10,12 +10,9 @@ import numpy as np
 
 from .. import cost
 from ..dtypes import BY_NAME, DType
+from ..grid import even_split
 from ..ops import ReduceOp
 from . import ring
-
-
-def split(n_elems: int, parts: int) -> list[int]:
-    return [n_elems // parts + (1 if j < n_elems % parts else 0) for j in range(parts)]
 
 
 class ShmDim:
@@ -101,7 +98,7 @@ class GroupDim:
         if self._alg(buf.nbytes, dt) == "native":
             self.group.allreduce(buf, dt, op)
             return
-        counts = split(buf.size, self.size)
+        counts = even_split(buf.size, self.size)
         self.reduce_scatter(buf, counts, dt, op)
         self.allgather(buf, counts, dt)
 

@@ -12,7 +12,7 @@ the same sequence of operations on every rank. Engines release the GIL while the
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,8 +21,10 @@ import numpy as np
 
 from ..dtypes import DType
 from ..errors import DDLTimeoutError
+from ..grid import even_split
 from ..ops import ReduceOp, reduce_into
-from .dims import split
+
+_log = logging.getLogger("ddl")
 
 
 def chunk_sizes(n: int, chunk: int, ramp: int = 3) -> list[int]:
@@ -38,9 +40,9 @@ def chunk_sizes(n: int, chunk: int, ramp: int = 3) -> list[int]:
         ends = [max(1, chunk >> (k + 1)) for k in range(ramp)][::-1]  # chunk/4, chunk/2
         middle = n - 2 * sum(ends)
         if middle >= chunk // 2:
-            return ends + split(middle, -(-middle // chunk)) + ends[::-1]
+            return ends + even_split(middle, -(-middle // chunk)) + ends[::-1]
         ramp -= 1
-    return split(n, -(-n // chunk))
+    return even_split(n, -(-n // chunk))
 
 
 def chunk_plan(n: int, dims, chunk_elems: int) -> list[list[tuple[int, int, list[int]]]]:
@@ -54,7 +56,7 @@ def chunk_plan(n: int, dims, chunk_elems: int) -> list[list[tuple[int, int, list
         start = a
         segs = []
         for d in dims:
-            c = split(b - a, d.size)
+            c = even_split(b - a, d.size)
             segs.append((a, b, c))
             a += sum(c[: d.rank])
             b = a + c[d.rank]
@@ -165,8 +167,8 @@ class MultiDim:
         n = self.dump_iter
         parts = ", ".join(f"{d.describe(nbytes)} {1e3 * self._busy[j] / n:.2f} ms"
                           for j, d in enumerate(self.dims))
-        print(f"[ddl] allreduce #{self._calls} ({nbytes} B): {parts}; "
-              f"wall {1e3 * self._wall / n:.2f} ms per call", file=sys.stderr, flush=True)
+        _log.info("[ddl] allreduce #%d (%d B): %s; wall %.2f ms per call", self._calls, nbytes,
+                  parts, 1e3 * self._wall / n)
         self._busy = [0.0] * len(self.dims)
         self._wall = 0.0
 

@@ -32,7 +32,11 @@ SHM_DIR = "/dev/shm"
 PROC_DIR = "/proc"
 GRACE = 10.0  # seconds
 
-_NAME = re.compile(r"^ddl-([A-Za-z0-9_.]{1,64})-h(\d+)-.+$")
+# The job-id rule, the one copy: ``segments.validate_job_id`` (the core) and ddlrun (through
+# ``ddlrun.shm.job_id_rule``, which loads this file even where ``import ddl`` fails) use it.
+JOB_ID_CHARS = "[A-Za-z0-9_.]{1,64}"
+JOB_ID = re.compile(f"^{JOB_ID_CHARS}$")
+_NAME = re.compile(rf"^ddl-({JOB_ID_CHARS})-h(\d+)-.+$")
 
 
 @dataclass(frozen=True)

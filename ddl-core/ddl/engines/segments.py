@@ -17,17 +17,16 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import re
 import stat
 
 from ..errors import DDLConfigError, DDLShmError
+from .orphans import JOB_ID
 
 SHM_DIR = "/dev/shm"
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
 def validate_job_id(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
+    if not JOB_ID.match(job_id):
         raise DDLConfigError(
             f"job id {job_id!r} is invalid: use 1-64 characters from [A-Za-z0-9_.]"
         )

@@ -51,6 +51,7 @@ from ..errors import (
     DDLShmError,
     DDLTimeoutError,
 )
+from ..grid import even_split
 from ..ops import ReduceOp, reduce_into
 from ..runtime import callers_waiting
 from ..tensors import Pieces
@@ -603,9 +604,7 @@ class ShmEngine:
         if src.nbytes <= self.small_bytes:
             self._run(self._allreduce_small, src, dst, dt, op, shape)
         else:
-            n = self.size
-            N = src.size
-            counts = [N // n + (1 if j < N % n else 0) for j in range(n)]
+            counts = even_split(src.size, self.size)
             self._run(self._reduce_scatter_steps, ALLREDUCE, src, dst, dt, op, shape, counts)
 
     def reduce_scatter(self, src: np.ndarray, dst: np.ndarray, dt: DType, op: ReduceOp,

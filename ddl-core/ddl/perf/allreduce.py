@@ -27,11 +27,14 @@ class Result:
 
     @property
     def busbw(self) -> float:
-        n = self.ranks
-        return self.nbytes / self.median * (2 * (n - 1) / n) / 1e9 if n > 1 else 0.0
+        return busbw(self.nbytes, self.median, self.ranks)
 
 
 def busbw(nbytes: int, seconds: float, ranks: int) -> float:
+    """GB/s on the bus, as nccl-tests counts it for allreduce: size / time * 2(n-1)/n;
+    0 for one rank (nothing crosses a bus)."""
+    if ranks <= 1:
+        return 0.0
     return nbytes / seconds * (2 * (ranks - 1) / ranks) / 1e9
 
 

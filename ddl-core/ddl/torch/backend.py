@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import ddl
 
+from ..errors import DDLConfigError
 from . import collectives
 
 BACKEND_NAME = "ddl"
@@ -256,7 +257,8 @@ class DDLProcessGroup(dist.ProcessGroup):
         pending = []
         for outs, inp in zip(output_tensors, input_tensors):
             if len(outs) != self._size:
-                raise ValueError(f"allgather: {len(outs)} output tensors for {self._size} ranks")
+                raise DDLConfigError(
+                    f"allgather: {len(outs)} output tensors for {self._size} ranks")
             pending.append((outs, ddl.allgather_async(inp.reshape(1, -1),
                                                       name="torch.allgather", group=self._group)))
 
@@ -305,7 +307,7 @@ class DDLProcessGroup(dist.ProcessGroup):
         pending = []
         for out, ins in zip(output_tensors, input_lists):
             if len(ins) != self._size:
-                raise ValueError(f"reduce_scatter: {len(ins)} inputs for {self._size} ranks")
+                raise DDLConfigError(f"reduce_scatter: {len(ins)} inputs for {self._size} ranks")
             stacked = torch.stack([i.reshape(-1) for i in ins])
             pending.append((out, ddl.reduce_scatter_async(stacked, _for_dtype(op, out)[0],
                                                            name="torch.reduce_scatter",
@@ -316,7 +318,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                               opts: Any = None) -> DDLWork:
         op = _reduce_op(opts, "reduce_scatter_tensor")
         if input.numel() != output.numel() * self._size:
-            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
+            raise DDLConfigError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
                              f"expected {self._size} x {output.numel()}")
         pending = [(output, ddl.reduce_scatter_async(input.reshape(self._size, -1),
                                                      _for_dtype(op, input)[0],

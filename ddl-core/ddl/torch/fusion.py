@@ -21,6 +21,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from ..errors import DDLConfigError
+from ..grid import even_split
+
 DEFAULT_THRESHOLD_BYTES = 128 << 20  # Horovod >= 0.21
 DEFAULT_CYCLE_TIME_MS = 1.0  # Horovod >= 0.21
 
@@ -110,9 +113,9 @@ def plan_groups(groups: Sequence[Sequence[int]], numels: Sequence[int],
 def split_evenly(n: int, num_groups: int) -> list[list[int]]:
     """Horovod's ``num_groups``: indices ``0..n-1`` in ``num_groups`` contiguous groups."""
     if num_groups <= 0:
-        raise ValueError(f"num_groups must be positive, got {num_groups}")
+        raise DDLConfigError(f"num_groups must be positive, got {num_groups}")
     num_groups = min(num_groups, max(n, 1))
-    sizes = [n // num_groups + (1 if j < n % num_groups else 0) for j in range(num_groups)]
+    sizes = even_split(n, num_groups)
     out, start = [], 0
     for s in sizes:
         out.append(list(range(start, start + s)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -45,6 +46,8 @@ _NUMPY = {
     torch.complex128: np.complex128,
 }
 
+_log = logging.getLogger("ddl")
+
 # Rank 0 times the hooks of this many steps' backward passes before the plan is refined
 # (the first step carries one-off costs: allocator warm-up, lazy module init).
 _REPLAN_AFTER_STEPS = 2
@@ -59,8 +62,12 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
                 return torch.from_numpy(ddl.malloc((numel,), np.uint16)).view(torch.bfloat16)
             if dtype in _NUMPY:
                 return torch.from_numpy(ddl.malloc((numel,), _NUMPY[dtype]))
-        except ddl.DDLError:
-            pass  # heap exhausted or unusable: an ordinary buffer still works, just slower
+        except ddl.DDLError as exc:
+            # heap exhausted or unusable: an ordinary buffer gives the same sums, only the
+            # allreduce stages copies of it, so training goes on, slower, and says why
+            _log.warning("ddl.torch: a %d-element %s fusion buffer is not in ddl's shared "
+                         "memory (%s); using an ordinary one, which the allreduce copies "
+                         "through staging (slower; raise DDL_SHM_HEAP_BYTES)", numel, dtype, exc)
     return torch.empty(numel, dtype=dtype, device=device)
 
 
