@@ -1,6 +1,6 @@
 """Render conda-build recipes (meta.yaml) for every variant, the way conda-build does.
 
-Used by ``make conda`` where conda-build is not installed and by tests/dist/test_conda.py.
+Used by ``make conda`` where conda-build is not installed and by tests/conda/test_conda.py.
 The order of the steps is conda-build's:
 
 1. Variants: ``conda_build_config.yaml`` (itself selector-filtered) gives lists of values; a
