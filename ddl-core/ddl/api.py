@@ -1,7 +1,10 @@
 """The public, Horovod-shaped API of the ddl core (numpy arrays and torch tensors).
 
-Each collective has one implementation (``_plan_*``, which returns the work as a closure);
-the blocking, in-place and ``_async`` spellings below are thin wrappers around it.
+Each collective has one implementation (``plan_*``, which checks the arguments and returns
+the work as a closure); the blocking, in-place and ``_async`` spellings below are thin
+wrappers around it. ``plan_*``, :func:`dispatch` and :func:`job_engine` are the internal API
+the framework adapters build on (:mod:`ddl.hvd`, ``ddl.torch``, ``ddl.tensorflow``); they are
+not part of ``ddl.*``.
 """
 
 from __future__ import annotations
@@ -306,8 +309,14 @@ def _target(group: Group | None) -> tuple[Any, int, int]:
     return group.engine, group.rank, group.size
 
 
+def job_engine() -> Any:
+    """The job's engine (None before ``init()``): for control steps that need none of the
+    planning (one small host array of one dtype)."""
+    return _engine
+
+
 # ------------------------------------------------------------------- collectives
-def _dispatch(job: Callable[[], Any], name: str, async_: bool, group: Group | None = None):
+def dispatch(job: Callable[[], Any], name: str, async_: bool, group: Group | None = None):
     """Queue ``job`` behind the earlier work of the job (or of ``group``: each group has
     its own queue, as each torch process group has its own stream of work)."""
     runtime = _runtime if group is None else group.runtime
@@ -330,7 +339,7 @@ def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, t
     return out, g
 
 
-def _plan_allreduce(tensor, op, out, inplace: bool, group: Group | None = None
+def plan_allreduce(tensor, op, out, inplace: bool, group: Group | None = None
                     ) -> Callable[[], Any]:
     engine, _, _ = _target(group)
     op = parse_op(op)
@@ -352,7 +361,7 @@ def _plan_allreduce(tensor, op, out, inplace: bool, group: Group | None = None
     return job
 
 
-def _plan_allreduce_into(sources: list, out, op, group: Group | None = None
+def plan_allreduce_into(sources: list, out, op, group: Group | None = None
                          ) -> Callable[[], Any]:
     """Allreduce the concatenation of ``sources`` (flattened, one dtype, CPU) into ``out``
     (a flat contiguous CPU buffer), or in place on the sources when ``out`` is None: a fused
@@ -407,27 +416,27 @@ def _plan_allreduce_into(sources: list, out, op, group: Group | None = None
 def allreduce(tensor, op: ReduceOp | str = Average, *, out=None, name: str | None = None,
               group: Group | None = None):
     """Reduce ``tensor`` over all ranks and return the result (a new tensor, or ``out``)."""
-    return _dispatch(_plan_allreduce(tensor, op, out, False, group),
+    return dispatch(plan_allreduce(tensor, op, out, False, group),
                      name or "allreduce", False, group)
 
 
 def allreduce_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
                group: Group | None = None):
     """In-place allreduce; returns ``tensor``."""
-    return _dispatch(_plan_allreduce(tensor, op, None, True, group),
+    return dispatch(plan_allreduce(tensor, op, None, True, group),
                      name or "allreduce_", False, group)
 
 
 def allreduce_async(tensor, op: ReduceOp | str = Average, *, out=None,
                     name: str | None = None,
                     group: Group | None = None) -> Handle:
-    return _dispatch(_plan_allreduce(tensor, op, out, False, group),
+    return dispatch(plan_allreduce(tensor, op, out, False, group),
                      name or "allreduce_async", True, group)
 
 
 def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
                      group: Group | None = None) -> Handle:
-    return _dispatch(_plan_allreduce(tensor, op, None, True, group),
+    return dispatch(plan_allreduce(tensor, op, None, True, group),
                      name or "allreduce_async_", True, group)
 
 
@@ -436,14 +445,14 @@ def grouped_allreduce_(tensors, op: ReduceOp | str = Average, *, name: str | Non
     """Allreduce several tensors of one dtype in place, as one fused collective: the same
     steps and bits as an allreduce of their concatenation, but no fusion buffer is filled
     (each tensor is staged from where it lives). Returns ``tensors``."""
-    return _dispatch(_plan_allreduce_into(list(tensors), None, op, group),
+    return dispatch(plan_allreduce_into(list(tensors), None, op, group),
                      name or "grouped_allreduce_", False, group)
 
 
 def grouped_allreduce_async_(tensors, op: ReduceOp | str = Average, *,
                              name: str | None = None,
                              group: Group | None = None) -> Handle:
-    return _dispatch(_plan_allreduce_into(list(tensors), None, op, group),
+    return dispatch(plan_allreduce_into(list(tensors), None, op, group),
                      name or "grouped_allreduce_async_", True, group)
 
 
@@ -455,7 +464,7 @@ def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], i
     return shape[0], row_shape, row
 
 
-def _plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
+def plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
     engine, _, _ = _target(group)
     backend = _devices.backend_for(tensor) if group is None else None
     if backend:
@@ -485,15 +494,15 @@ def _plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
 def allgather(tensor, *, name: str | None = None,
               group: Group | None = None):
     """Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."""
-    return _dispatch(_plan_allgather(tensor, group), name or "allgather", False, group)
+    return dispatch(plan_allgather(tensor, group), name or "allgather", False, group)
 
 
 def allgather_async(tensor, *, name: str | None = None,
                     group: Group | None = None) -> Handle:
-    return _dispatch(_plan_allgather(tensor, group), name or "allgather_async", True, group)
+    return dispatch(plan_allgather(tensor, group), name or "allgather_async", True, group)
 
 
-def _plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = None
+def plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = None
                     ) -> Callable[[], Any]:
     engine, _, size = _target(group)
     if not 0 <= root_rank < size:
@@ -519,26 +528,26 @@ def _plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None =
 def broadcast(tensor, root_rank: int = 0, *, name: str | None = None,
               group: Group | None = None):
     """Return a copy of ``root_rank``'s tensor on every rank."""
-    return _dispatch(_plan_broadcast(tensor, root_rank, False, group),
+    return dispatch(plan_broadcast(tensor, root_rank, False, group),
                      name or "broadcast", False, group)
 
 
 def broadcast_(tensor, root_rank: int = 0, *, name: str | None = None,
                group: Group | None = None):
     """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
-    return _dispatch(_plan_broadcast(tensor, root_rank, True, group),
+    return dispatch(plan_broadcast(tensor, root_rank, True, group),
                      name or "broadcast_", False, group)
 
 
 def broadcast_async(tensor, root_rank: int = 0, *, name: str | None = None,
                     group: Group | None = None) -> Handle:
-    return _dispatch(_plan_broadcast(tensor, root_rank, False, group),
+    return dispatch(plan_broadcast(tensor, root_rank, False, group),
                      name or "broadcast_async", True, group)
 
 
 def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None,
                      group: Group | None = None) -> Handle:
-    return _dispatch(_plan_broadcast(tensor, root_rank, True, group),
+    return dispatch(plan_broadcast(tensor, root_rank, True, group),
                      name or "broadcast_async_", True, group)
 
 
@@ -547,7 +556,7 @@ def split_rows(rows: int, n: int) -> list[int]:
     return grid.even_split(rows, n)
 
 
-def _plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], Any]:
+def plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], Any]:
     engine, rank, size = _target(group)
     op = parse_op(op)
     backend = _devices.backend_for(tensor, op) if group is None else None
@@ -574,20 +583,20 @@ def _plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[],
 def reduce_scatter(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
                    group: Group | None = None):
     """Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."""
-    return _dispatch(_plan_reduce_scatter(tensor, op, group),
+    return dispatch(plan_reduce_scatter(tensor, op, group),
                      name or "reduce_scatter", False, group)
 
 
 def reduce_scatter_async(tensor, op: ReduceOp | str = Average, *,
                          name: str | None = None,
                          group: Group | None = None) -> Handle:
-    return _dispatch(_plan_reduce_scatter(tensor, op, group),
+    return dispatch(plan_reduce_scatter(tensor, op, group),
                      name or "reduce_scatter_async", True, group)
 
 
 def barrier(*, group: Group | None = None) -> None:
     engine, _, _ = _target(group)
-    _dispatch(engine.barrier, "barrier", False, group)
+    dispatch(engine.barrier, "barrier", False, group)
 
 
 def synchronize(handle: Handle) -> Any:

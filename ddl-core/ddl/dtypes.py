@@ -1,5 +1,6 @@
 """Element types the engines move. numpy has no bfloat16, so bfloat16 travels as its uint16
-bit pattern and is reduced in float32 (see ops.py)."""
+bit pattern and is reduced in float32 (see ops.py). numpy arrays of ``ml_dtypes.bfloat16``
+(what TensorFlow and JAX hand out) are bfloat16 too, viewed as uint16."""
 
 from __future__ import annotations
 
@@ -62,12 +63,30 @@ def from_numpy(dtype: np.dtype) -> DType:
     if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
         raise DDLConfigError(f"big-endian dtype {dt} is not supported; use native little-endian")
     d = BY_NAME.get(dt.name)
+    if d is BFLOAT16 and dt.itemsize == 2 and dt == numpy_bfloat16():
+        return d
     if d is None or d is BFLOAT16:
         raise DDLConfigError(
             f"dtype {dt} is not supported by ddl collectives "
             f"(supported: {', '.join(BY_NAME)})"
         )
     return d
+
+
+_ML_BF16: list = []
+
+
+def numpy_bfloat16() -> np.dtype | None:
+    """numpy's bfloat16 dtype from ``ml_dtypes`` (installed with TensorFlow and JAX), or
+    None without it."""
+    if not _ML_BF16:
+        try:
+            import ml_dtypes
+
+            _ML_BF16.append(np.dtype(ml_dtypes.bfloat16))
+        except ImportError:
+            _ML_BF16.append(None)
+    return _ML_BF16[0]
 
 
 def by_code(code: int) -> DType:

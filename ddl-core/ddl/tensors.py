@@ -37,7 +37,7 @@ class Flat:
         if not self.staged:
             return
         if self.kind == "numpy":
-            self.original[...] = self.array.reshape(self.shape)
+            self.original[...] = self.array.view(self.original.dtype).reshape(self.shape)
         else:
             _torch_write_back(self.original, self.array, self.dtype, self.shape)
 
@@ -55,8 +55,12 @@ def flatten(x: Any, *, name: str = "tensor") -> Flat:
     if isinstance(x, np.ndarray):
         dt = dtypes.from_numpy(x.dtype)
         if x.flags.c_contiguous:
-            return Flat(x if x.ndim == 1 else x.reshape(-1), dt, x.shape, x, "numpy", False)
-        return Flat(np.ascontiguousarray(x).reshape(-1), dt, x.shape, x, "numpy", True)
+            a = x if x.ndim == 1 else x.reshape(-1)
+        else:
+            a = np.ascontiguousarray(x).reshape(-1)
+        if dt is dtypes.BFLOAT16:
+            a = a.view(np.uint16)
+        return Flat(a, dt, x.shape, x, "numpy", not x.flags.c_contiguous)
     if is_torch(x):
         return _flatten_torch(x)
     if isinstance(x, (np.generic, int, float, bool, complex)):
@@ -121,7 +125,8 @@ def empty_like(flat: Flat, shape: tuple[int, ...] | None = None) -> tuple[Any, F
     shape = flat.shape if shape is None else tuple(shape)
     if flat.kind == "numpy":
         out = np.empty(shape, dtype=flat.original.dtype)
-        return out, Flat(out.reshape(-1), flat.dtype, shape, out, "numpy", False)
+        return out, Flat(out.reshape(-1).view(flat.dtype.storage), flat.dtype, shape, out,
+                         "numpy", False)
     torch = _torch()
     orig = flat.original
     out = torch.empty(shape, dtype=orig.dtype, device="cpu")

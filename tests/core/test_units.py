@@ -237,7 +237,7 @@ def test_torch_errors_are_classified_case_insensitively(text, kind):
 def test_even_split_is_the_one_rule_of_every_split():
     from ddl import grid, split_rows
     from ddl.algorithms.multidim import chunk_sizes
-    from ddl.torch.fusion import split_evenly
+    from ddl.hvd.fusion import split_evenly
 
     assert grid.even_split(10, 4) == [3, 3, 2, 2] and grid.even_split(3, 5) == [1, 1, 1, 0, 0]
     assert grid.even_split(0, 2) == [0, 0] and grid.even_split(8, 4) == [2] * 4

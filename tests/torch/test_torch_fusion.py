@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ddl.torch import Compression
-from ddl.torch.fusion import plan_buckets, plan_groups, split_evenly
+from ddl.hvd.fusion import plan_buckets, plan_groups, split_evenly
 
 F32 = (torch.float32, "cpu")
 F16 = (torch.float16, "cpu")

@@ -17,10 +17,9 @@ See docs/pytorch.md.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
-import torch.distributed
+import torch.distributed  # noqa: F401 - the backend registers with it
 
 from ddl import (
     Average,
@@ -35,18 +34,31 @@ from ddl import (
     Sum,
     cross_rank,
     cross_size,
-    engine_name,
     is_initialized,
     local_rank,
     local_size,
     rank,
     size,
 )
-from ddl import init as _core_init
-from ddl import shutdown as _core_shutdown
+from ddl.hvd import lifecycle as _lifecycle
+from ddl.hvd.compression import Compression, Compressor
+from ddl.hvd.lifecycle import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+    shutdown,
+)
+from ddl.hvd.negotiate import Handle
 
 from .backend import DDLProcessGroup, DDLWork, register
-from .compression import Compression, Compressor
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
     ProcessSet,
@@ -81,107 +93,18 @@ from .mpi_ops import (
     reduce_scatter_async,
     reducescatter,
     reducescatter_async,
-    shutdown_exchange,
     synchronize,
 )
-from .negotiate import Handle
-from .negotiate import broken as _broken
-from .negotiate import reset as _reset
 from .optimizer import DistributedOptimizer
 
 register()
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the job (``ddl.init()``). Horovod's ``comm`` (an MPI communicator) and
-    ``process_sets`` are accepted only when they mean "every rank".
-
-    Calling it again is a no-op, as in Horovod, unless this generation is unusable (a peer
-    shut down, died or timed out): then it starts a new one, which is how a rank whose peer
-    called ``shutdown()`` and ``init()`` (Horovod's tests do, between cases) catches up.
-    """
-    if comm is not None:
-        raise NotImplementedError("ddl.torch.init: comm= is not supported; ddl.init() reads "
-                                  "the launch environment (ddlrun, torchrun, mpirun)")
-    if process_sets:
-        raise NotImplementedError("ddl.torch.init: process_sets are not supported")
-    if is_initialized():
-        if _broken() is None:
-            return
-        _core_shutdown()  # no collective step: the peers are gone or have moved on
-    _reset()
-    _core_init()
-
-
-def shutdown() -> None:
-    """Leave the job, collectively: every rank finishes the calls before this one, then
-    takes part in one control exchange, so a rank still inside another collective raises a
-    ``DDLMismatchError`` naming this shutdown (and re-initialises on its next ``init()``).
-    ``init()`` may follow, any number of times. Safe to call more than once."""
-    if not is_initialized():
-        return
-    try:
-        if _broken() is None:
-            shutdown_exchange()
-    except DDLError:
-        pass  # a peer is gone or elsewhere: it has been told, or will see this rank closed
-    finally:
-        try:
-            _core_shutdown()
-        finally:
-            _reset()
-
-
-# What this build has, in Horovod's vocabulary (scripts branch on these).
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def _transport() -> str:
-    name = engine_name() if is_initialized() else ""
-    return name.partition("/")[2]  # "ddl/mpi" -> "mpi"; single host: ""
-
-
-def mpi_enabled() -> bool:
-    """True when this job's cross-host dimensions run on MPI."""
-    return _transport() == "mpi"
-
-
-def mpi_built() -> bool:
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def gloo_enabled() -> bool:
-    """True when this job's cross-host dimensions run on Gloo."""
-    return _transport() == "gloo"
-
-
-def gloo_built() -> bool:
-    return torch.distributed.is_gloo_available()
-
-
-def nccl_built() -> int:
-    return 0
-
-
-def ddl_built() -> bool:
-    return True
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def is_homogeneous() -> bool:
-    return True
+    """Join the job (``ddl.init()``); see :func:`ddl.hvd.lifecycle.init`. Calling it again
+    is a no-op unless a peer shut down, died or timed out: then it starts a new generation
+    (Horovod's tests do init, shutdown, init between cases)."""
+    _lifecycle.init(comm, process_sets, who="ddl.torch")
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

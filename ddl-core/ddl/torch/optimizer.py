@@ -6,9 +6,9 @@ its fusion buffer and its allreduce is queued (asynchronously, in place), so
 communication overlaps the rest of backward. ``synchronize()`` (called by ``step()``)
 launches what is left, waits, and unpacks the averaged gradients into ``p.grad``.
 
-Buckets come from :mod:`ddl.torch.fusion` and are launched strictly in plan order, which is
+Buckets come from :mod:`ddl.hvd.fusion` and are launched strictly in plan order, which is
 what keeps every rank's sequence of collectives identical without a coordinator. Each bucket
-allreduce is one negotiated call (:mod:`ddl.torch.negotiate`), so ranks that called
+allreduce is one negotiated call (:mod:`ddl.hvd.negotiate`), so ranks that called
 ``hvd.join()`` (out of data) contribute zeros and the others finish their epoch (Horovod's
 uneven-data rule), and a bucket that differs between ranks raises on every rank.
 """
@@ -30,14 +30,13 @@ import numpy as np
 import torch
 
 import ddl
-
-from . import fusion
-from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
-from .join import broadcast_plan, register_optimizer
-from .mpi_ops import submit_allreduce
-from .negotiate import ALLREDUCE, Ready, fail_here
-from .settings import cycle_time_ms as _default_cycle_ms
-from .settings import fusion_threshold_bytes as _default_threshold
+from ddl.hvd import fusion
+from ddl.hvd.collectives import check_process_set, resolve_op, submit_allreduce
+from ddl.hvd.compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from ddl.hvd.join import broadcast_plan, register_optimizer
+from ddl.hvd.negotiate import ALLREDUCE, Handle, fail_here
+from ddl.hvd.settings import cycle_time_ms as _default_cycle_ms
+from ddl.hvd.settings import fusion_threshold_bytes as _default_threshold
 
 _NUMPY = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -69,18 +68,6 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
                          "memory (%s); using an ordinary one, which the allreduce copies "
                          "through staging (slower; raise DDL_SHM_HEAP_BYTES)", numel, dtype, exc)
     return torch.empty(numel, dtype=dtype, device=device)
-
-
-def _resolve_op(op: Any) -> ddl.ReduceOp:
-    if op is None:
-        return ddl.Average
-    if isinstance(op, ddl.ReduceOp):
-        return op
-    if isinstance(op, str) and op.lower() == "adasum":
-        raise NotImplementedError("ddl.torch: Adasum is not implemented; use op=hvd.Average")
-    from ddl.ops import parse_op
-
-    return parse_op(op)
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None
@@ -142,15 +129,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
     ) -> None:
-        from .mpi_ops import _check_process_set
-
-        _check_process_set(process_set)
+        check_process_set(process_set)
         if not ddl.is_initialized():
             raise ddl.DDLError("call hvd.init() (ddl.torch.init()) before DistributedOptimizer")
         if backward_passes_per_step < 1:
             raise ddl.DDLConfigError(
                 f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        op = _resolve_op(op)
+        op = resolve_op(None, op)
         if gradient_predivide_factor != 1.0 and op is not ddl.Average:
             raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average")
         if num_groups and groups is not None:
@@ -408,7 +393,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._inline:
             # from synchronize(), which waits at once: run on this thread when ddl has
             # nothing queued, as blocking calls do (no hand-off to and from the worker)
-            self._handles[b] = Ready(submit_allreduce(tensor, self._op, async_=False, **kw))
+            self._handles[b] = Handle.ready(submit_allreduce(tensor, self._op, async_=False, **kw))
         else:
             self._handles[b] = submit_allreduce(tensor, self._op, **kw)
 

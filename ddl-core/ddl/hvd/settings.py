@@ -1,5 +1,5 @@
-"""The environment variables ddl.torch reads; they live in the core's one registry
-(``ddl.config``). Arguments to ``DistributedOptimizer`` override both."""
+"""The environment variables the Horovod layer reads (ddl.torch, ddl.tensorflow, ddl.keras);
+they live in the core's one registry (``ddl.config``). Optimizer arguments override both."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The identity exchange every Horovod-level collective of ``ddl.torch`` starts with.
+"""The identity exchange every Horovod-level collective starts with (every framework).
 
 The ddl core has no coordinator: ranks run collectives in the order they submit them, so a
 rank that issued another collective, or one call fewer, would pair its data with the wrong
@@ -332,7 +332,7 @@ def exchange(d: np.ndarray) -> np.ndarray:
     """The control allreduce, in place on ``d`` (a fresh descriptor). Runs on the thread
     that runs the queued work. It goes straight to the job's engine: the descriptor is a
     small host array of one dtype, so none of the core's planning applies to it."""
-    engine = _api._engine
+    engine = _api.job_engine()
     if engine is None:
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
     _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
@@ -359,8 +359,8 @@ def diagnose(mine: np.ndarray, note: str) -> tuple[np.ndarray, list[str]]:
     """Every rank's descriptor and the line describing its call (the error path only)."""
     text = note.encode("utf-8", "replace")[:1500] or b"?"
     row = np.append(mine, len(text)).reshape(1, _LEN + 1)
-    rows = _engine(_api._plan_allgather(row))
-    data = _engine(_api._plan_allgather(np.frombuffer(text, dtype=np.uint8).copy()))
+    rows = _engine(_api.plan_allgather(row))
+    data = _engine(_api.plan_allgather(np.frombuffer(text, dtype=np.uint8).copy()))
     notes, at = [], 0
     for n in rows[:, _LEN].tolist():
         notes.append(bytes(data[at:at + n]).decode("utf-8", "replace"))
@@ -373,7 +373,7 @@ def share_layout(r: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     layout, which the joined ranks serve from (``rows`` None on a joined rank)."""
     buf = (np.zeros((int(r[COUNT]), _MEMBER), dtype=np.int64) if rows is None
            else rows.copy())
-    _engine(_api._plan_broadcast(buf, int(-r[LOWEST]), True))
+    _engine(_api.plan_broadcast(buf, int(-r[LOWEST]), True))
     return buf
 
 
@@ -476,7 +476,8 @@ class Planned(NamedTuple):
 
 class Handle:
     """An ``*_async`` result: ``wait()`` returns it, after any post-processing (scaling,
-    decompression, copies); ``poll()`` says whether it is ready."""
+    decompression, copies); ``poll()`` says whether it is ready. The one handle type of the
+    Horovod-level calls, of every framework (``Handle.ready`` wraps a finished result)."""
 
     __slots__ = ("_inner", "_finish", "_seq", "_done", "_value", "name")
 
@@ -485,34 +486,37 @@ class Handle:
         self._inner, self._seq, self._finish, self.name = inner, seq, finish, name
         self._done, self._value = False, None
 
+    @classmethod
+    def ready(cls, value: Any, name: str = "") -> Handle:
+        """A handle for work already finished on this thread."""
+        h = cls(None, -1, None, name)
+        h._done, h._value = True, value
+        return h
+
     def poll(self) -> bool:
         return self._done or self._inner.poll()
 
-    def wait(self) -> Any:
+    def wait(self, timeout: float | None = None) -> Any:
+        """The result; ``timeout`` seconds at most (a ``DDLTimeoutError`` after it, and the
+        call stays pending), forever by default as in Horovod's ``synchronize``."""
         if not self._done:
             try:
-                value = self._inner.wait()
-            finally:
+                value = self._inner.wait(timeout)
+            except ddl.DDLTimeoutError:
+                if timeout is not None and not self._inner.poll():
+                    raise  # still pending: the sequence has not moved past it
                 observe(self._seq)
+                raise
+            except BaseException:
+                observe(self._seq)
+                raise
+            observe(self._seq)
             self._value = self._finish(value) if self._finish else value
             self._done = True
         return self._value
 
     def __repr__(self) -> str:
-        return f"<ddl.torch.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
-
-
-class Ready:
-    """A handle for work already finished on this thread."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def poll(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self._value
+        return f"<ddl.hvd.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
 
 
 def next_seq() -> int:
@@ -597,9 +601,9 @@ def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: 
         _claim(name, seq, kind)
     job = _job(p, seq)
     if async_:
-        return Handle(_api._dispatch(job, label, True), seq, p.finish, label)
+        return Handle(_api.dispatch(job, label, True), seq, p.finish, label)
     try:
-        out = _api._dispatch(job, label, False)
+        out = _api.dispatch(job, label, False)
     finally:
         observe(seq)
     return p.finish(out) if p.finish is not None else out
@@ -619,7 +623,7 @@ def _fail(call: Call, seq: int, exc: BaseException, async_: bool, label: str) ->
         return
     job = _job(Planned(call, lambda r: None), seq, failure=exc)
     try:
-        _api._dispatch(job, label, async_)
+        _api.dispatch(job, label, async_)
     except Exception:  # noqa: BLE001, S110 - the caller raises ``exc``
         pass
     finally:

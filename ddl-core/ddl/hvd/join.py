@@ -1,8 +1,8 @@
-"""Horovod's ``join`` for ``ddl.torch``: a rank that ran out of data keeps serving the others.
+"""Horovod's ``join``: a rank that ran out of data keeps serving the others (every framework).
 
 In Horovod a coordinator knows which ranks have called ``join()`` and tells them what to
 contribute to each collective the others still issue. The ddl core has no coordinator, but
-every Horovod-level call begins with the identity exchange of :mod:`ddl.torch.negotiate`,
+every Horovod-level call begins with the identity exchange of :mod:`ddl.hvd.negotiate`,
 an allreduce (MAX) of a descriptor of the call:
 
 - a joined rank sends a sentinel (``-2**62``) in every word, so it never wins the MAX, and
@@ -31,8 +31,8 @@ import numpy as np
 
 import ddl
 from ddl import api as _api
-from ddl import dtypes as _dtypes
 
+from . import arrays as _arrays
 from . import negotiate as ng
 
 
@@ -63,7 +63,7 @@ def broadcast_plan(times: np.ndarray, index: int) -> np.ndarray:
         call = ng.Call(ng.PLAN, code=ng.code_of(times), shape=tuple(times.shape), arg=index)
 
         def data(r: np.ndarray) -> np.ndarray:
-            _api._plan_broadcast(times, int(-r[ng.LOWEST]), True)()
+            _api.plan_broadcast(times, int(-r[ng.LOWEST]), True)()
             return times
 
         return ng.Planned(call, data)
@@ -72,38 +72,30 @@ def broadcast_plan(times: np.ndarray, index: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ joined ranks
-def _zeros(code: int, shape: tuple[int, ...]) -> Any:
-    dt = _dtypes.BY_CODE[code]
-    if dt is _dtypes.BFLOAT16:
-        import torch
-
-        return torch.zeros(shape, dtype=torch.bfloat16)
-    return np.zeros(shape, dtype=dt.storage)
-
-
 def _serve(r: np.ndarray) -> None:
     """Take part in the call the running ranks described, contributing nothing."""
     kind, code = int(r[ng.KIND]), int(r[ng.DTYPE])
     nd = min(int(r[ng.NDIM]), ng.MAX_DIMS)
     shape = tuple(int(x) for x in r[ng.DIMS:ng.DIMS + nd])
     if kind == ng.ALLREDUCE:
-        _api._plan_allreduce(_zeros(code, shape), ng.engine_op(int(r[ng.OP]), code), None,
+        _api.plan_allreduce(_arrays.zeros(code, shape), ng.engine_op(int(r[ng.OP]), code), None,
                              True)()
     elif kind == ng.REDUCE_SCATTER:
-        _api._plan_reduce_scatter(_zeros(code, shape), ng.engine_op(int(r[ng.OP]), code))()
+        _api.plan_reduce_scatter(_arrays.zeros(code, shape),
+                                     ng.engine_op(int(r[ng.OP]), code))()
     elif kind == ng.ALLGATHER:
-        _api._plan_allgather(_zeros(code, (0,) + shape[1:]))()
+        _api.plan_allgather(_arrays.zeros(code, (0,) + shape[1:]))()
     elif kind == ng.ALLTOALL:
         row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-        _api._plan_allgather(np.zeros((1, ddl.size()), dtype=np.int64))()
-        _api._plan_allgather(_zeros(code, (0, row)))()
+        _api.plan_allgather(np.zeros((1, ddl.size()), dtype=np.int64))()
+        _api.plan_allgather(_arrays.zeros(code, (0, row)))()
     elif kind == ng.BROADCAST:
-        _api._plan_broadcast(_zeros(code, shape), int(r[ng.ARG]), True)()
+        _api.plan_broadcast(_arrays.zeros(code, shape), int(r[ng.ARG]), True)()
     elif kind in ng.GROUPED:
         _serve_grouped(kind, r, ng.share_layout(r, None))
     elif kind == ng.PLAN:
         times = np.zeros(shape, dtype=np.float64)
-        _api._plan_broadcast(times, int(-r[ng.LOWEST]), True)()
+        _api.plan_broadcast(times, int(-r[ng.LOWEST]), True)()
         index = int(r[ng.ARG])
         ref = _optimizers.refs[index] if index < len(_optimizers.refs) else None
         opt = ref() if ref is not None else None
@@ -119,17 +111,18 @@ def _serve_grouped(kind: int, r: np.ndarray, rows: np.ndarray) -> None:
             numel = sum(int(np.prod(ng.member_shape(rows, i), dtype=np.int64))
                         for i in members)
             code = int(rows[members[0], 0])
-            _api._plan_allreduce(_zeros(code, (numel,)), ng.engine_op(int(r[ng.OP]), code),
+            _api.plan_allreduce(_arrays.zeros(code, (numel,)), ng.engine_op(int(r[ng.OP]), code),
                                  None, True)()
         return
     for i in range(rows.shape[0]):
         code, shape = int(rows[i, 0]), ng.member_shape(rows, i)
         if kind == ng.GROUPED_ALLGATHER:
-            _api._plan_allgather(_zeros(code, (0,) + shape[1:]))()
+            _api.plan_allgather(_arrays.zeros(code, (0,) + shape[1:]))()
         elif kind == ng.GROUPED_REDUCE_SCATTER:
-            _api._plan_reduce_scatter(_zeros(code, shape), ng.engine_op(int(r[ng.OP]), code))()
+            _api.plan_reduce_scatter(_arrays.zeros(code, shape),
+                                     ng.engine_op(int(r[ng.OP]), code))()
         else:
-            _api._plan_broadcast(_zeros(code, shape), int(r[ng.ARG]), True)()
+            _api.plan_broadcast(_arrays.zeros(code, shape), int(r[ng.ARG]), True)()
 
 
 def _serve_until_all_joined() -> int:
@@ -144,7 +137,7 @@ def _serve_until_all_joined() -> int:
             continue
         ng._engine(_serve, r)
     ticket = np.asarray([[joined_at, joined_ns, ng.next_word()]], dtype=np.int64)
-    tickets = ng._engine(_api._plan_allgather(ticket))
+    tickets = ng._engine(_api.plan_allgather(ticket))
     ng.resync_after_join(tickets[:, 2].tolist())
     # Last in the collective sequence, then in time, then the highest rank.
     return max(range(len(tickets)), key=lambda i: (int(tickets[i, 0]), int(tickets[i, 1]), i))
@@ -155,6 +148,6 @@ def join(device: int = -1) -> int:
     compatibility: a joined rank's zeros live in host memory, where the core works."""
     seq = ng.next_seq()
     try:
-        return _api._dispatch(_serve_until_all_joined, "join", False)
+        return _api.dispatch(_serve_until_all_joined, "join", False)
     finally:
         ng.observe(seq)

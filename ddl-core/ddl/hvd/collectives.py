@@ -1,0 +1,491 @@
+"""Horovod's collectives, once, for every framework adapter.
+
+Each collective has one implementation: a *plan* (check the arguments, compress, build the
+core's data step and the call's identity) handed to :func:`ddl.hvd.negotiate.submit`, which
+queues the data behind the call's identity exchange. Whatever a plan raises still takes
+part in that exchange, so an error on one rank is an error on every rank, and two different
+calls never pair. The arrays may be numpy arrays or torch tensors (:mod:`ddl.hvd.arrays`);
+``ddl.torch`` adds autograd and Horovod's signatures on top, ``ddl.tensorflow`` the
+conversion from TensorFlow tensors and the gradients.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+import ddl
+from ddl import api as _api
+from ddl.ops import parse_op
+
+from . import negotiate as ng
+from .arrays import NumpyOps, ops_for
+from .compression import Compressor, NoneCompressor
+from .negotiate import Call, Planned, code_of, submit
+
+
+# ------------------------------------------------------------------- arguments
+class ProcessSet:
+    """Horovod's process sets. Only the global one (every rank) exists in ddl today."""
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks = list(ranks) if ranks is not None else None
+
+    def __repr__(self) -> str:
+        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def check_process_set(process_set: Any) -> None:
+    if process_set is None or process_set is global_process_set:
+        return
+    if isinstance(process_set, ProcessSet) and (
+        process_set.ranks is None or sorted(process_set.ranks) == list(range(ddl.size()))
+    ):
+        return
+    raise NotImplementedError(
+        "ddl: process sets other than the global one are not supported; use "
+        "torch.distributed.new_group on the 'ddl' backend for sub-groups (PyTorch)"
+    )
+
+
+def resolve_op(average: bool | None, op: Any) -> ddl.ReduceOp:
+    """Horovod's ``op=`` / deprecated ``average=`` pair; Average when neither is given."""
+    if average is not None:
+        if op is not None:
+            raise ddl.DDLConfigError("pass op or average (deprecated), not both")
+        return ddl.Average if average else ddl.Sum
+    if op is None:
+        return ddl.Average
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("ddl: Adasum is not implemented; use op=hvd.Average")
+    return parse_op(op)
+
+
+def check_root(root_rank: Any) -> int:
+    root = operator.index(root_rank)
+    if not 0 <= root < ddl.size():
+        raise ddl.DDLConfigError(f"root_rank {root} is outside 0..{ddl.size() - 1}")
+    return root
+
+
+def _no_r(step: Callable[[], Any]) -> Callable[[np.ndarray], Any]:
+    return lambda r: step()
+
+
+def reduction(rop: ddl.ReduceOp, t: Any, post: float) -> tuple[ddl.ReduceOp, float]:
+    """The op the engine runs and the postscale applied after it. Horovod averages by
+    summing and multiplying by ``postscale / size`` (in float64): for an integer tensor that
+    is exactly what happens here, so the result truncates toward zero as in Horovod."""
+    engine_op = ng.engine_op(rop, code_of(t))
+    if engine_op is not rop:
+        return engine_op, post / ddl.size()
+    return rop, post
+
+
+def _members(fw: Any, ts: Sequence[Any], gathering: bool) -> bytes:
+    return ng.layout([(code_of(t), fw.device(t), tuple(t.shape)) for t in ts],
+                     gathering=gathering)
+
+
+def _ops_of(ts: Sequence[Any]) -> Any:
+    return ops_for(ts[0]) if len(ts) else NumpyOps
+
+
+# ------------------------------------------------------------------- allreduce
+def allreduce(tensor: Any, *, average: bool | None = None, name: str | None = None,
+              op: Any = None, prescale: float = 1.0, postscale: float = 1.0,
+              compression: type[Compressor] = NoneCompressor, inplace: bool = False,
+              process_set: Any = None, async_: bool = False) -> Any:
+    """The one allreduce. Blocking calls run on the caller's thread when nothing is queued,
+    like the core's: no hand-off to the worker thread."""
+    fw = ops_for(tensor)
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        rop = resolve_op(average, op)
+        pre, post = float(prescale), float(postscale)
+        sent, ctx = compression.compress(tensor)
+        if pre != 1.0:
+            sent = fw.scaled(sent, pre)
+        engine_op, scale = reduction(rop, sent, post)
+        # In place whenever the tensor sent is ours to overwrite: the caller's own for the
+        # in-place spellings, or a temporary made by compression or prescaling. Out of place
+        # would allocate a fresh result (page faults on every call for large tensors).
+        data = _api.plan_allreduce(sent, engine_op, None, inplace or sent is not tensor)
+        call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
+                    name=name)
+
+        def finish(out: Any) -> Any:
+            if scale != 1.0:
+                fw.scale_(out, scale)
+            out = compression.decompress(out, ctx)
+            if inplace:
+                if out is not tensor:
+                    fw.copy_(tensor, out)
+                return tensor
+            return out
+
+        return Planned(call, _no_r(data), finish)
+
+    return submit(ng.ALLREDUCE, name, plan, async_=async_, label=name or "allreduce")
+
+
+def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,
+                     async_: bool = True, prescale: float = 1.0, postscale: float = 1.0,
+                     before: Callable[[], None] | None = None,
+                     sources: list | None = None) -> Any:
+    """A DistributedOptimizer's bucket allreduce (already packed, scaled by the caller).
+    With ``sources``, ``tensor`` is the fusion buffer they would be packed into, never
+    packed: their sum goes into it, or back into the sources when ``inplace`` (ranks that
+    joined see an allreduce of ``tensor`` either way). ``name`` labels the handle only."""
+
+    def plan() -> Planned:
+        if sources is None:
+            data = _api.plan_allreduce(tensor, op, None, inplace)
+        else:
+            data = _api.plan_allreduce_into(sources, None if inplace else tensor, op)
+        call = Call(ng.ALLREDUCE, op, code_of(tensor), tuple(tensor.shape), pre=prescale,
+                    post=postscale)
+        return Planned(call, _no_r(data), before=before)
+
+    return submit(ng.ALLREDUCE, None, plan, async_=async_, label=name)
+
+
+def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,
+                      name: str | None = None, op: Any = None, prescale: float = 1.0,
+                      postscale: float = 1.0, compression: type[Compressor] = NoneCompressor,
+                      inplace: bool = False, process_set: Any = None,
+                      async_: bool = False) -> Any:
+    """One call, whose descriptor covers every member: one fused allreduce per (dtype,
+    device), all in the same queued work (Horovod's grouped_allreduce fuses too)."""
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        rop = resolve_op(average, op)
+        pre, post = float(prescale), float(postscale)
+        ts = list(tensors)
+        fw = _ops_of(ts)
+        sent = [compression.compress(t) for t in ts]
+        call = Call(ng.GROUPED_ALLREDUCE, rop, pre=pre, post=post, name=name, count=len(ts),
+                    numel=sum(fw.numel(s) for s, _ in sent),
+                    ndim=max((fw.ndim(s) for s, _ in sent), default=0),
+                    layout=_members(fw, [s for s, _ in sent], False))
+        rows = call.members()
+        direct = inplace and compression is NoneCompressor and pre == 1.0
+        parts: list[tuple[list[int], Any, Callable[[], Any], float]] = []
+        with fw.no_grad():
+            for idx in ng.buckets(rows):
+                engine_op, scale = reduction(rop, sent[idx[0]][0], post)
+                if direct and rows[idx[0], 1] == 0:
+                    # Host tensors reduced where they live, as one fused collective: nothing
+                    # is packed
+                    group = [ts[i] for i in idx]
+                    parts.append((idx, None, _api.plan_allreduce_into(group, None, engine_op),
+                                  scale))
+                    continue
+                flat = fw.flat_cat([sent[i][0] for i in idx])
+                if pre != 1.0:
+                    fw.scale_(flat, pre)
+                parts.append((idx, flat, _api.plan_allreduce(flat, engine_op, None, True),
+                              scale))
+
+        def finish(_: Any) -> list[Any]:
+            out: list[Any] = [None] * len(ts)
+            with fw.no_grad():
+                for idx, flat, _step, scale in parts:
+                    if flat is None:  # reduced in place, where the tensors live
+                        for i in idx:
+                            if scale != 1.0:
+                                fw.scale_(ts[i], scale)
+                            out[i] = ts[i]
+                        continue
+                    if scale != 1.0:
+                        fw.scale_(flat, scale)
+                    off = 0
+                    for i in idx:
+                        s, ctx = sent[i]
+                        n = fw.numel(s)
+                        r = compression.decompress(fw.reshape(flat[off:off + n], s.shape), ctx)
+                        off += n
+                        if inplace:
+                            fw.copy_(ts[i], r)
+                            r = ts[i]
+                        out[i] = r
+            return out
+
+        return Planned(call, lambda r: [step() for _, _, step, _ in parts], finish)
+
+    return submit(ng.GROUPED_ALLREDUCE, name, plan, async_=async_,
+                  label=name or "grouped_allreduce")
+
+
+# ------------------------------------------------------------------- allgather
+def _at_least_1d(fw: Any, t: Any) -> Any:
+    return t if fw.ndim(t) else fw.reshape(t, (1,))
+
+
+def allgather(tensor: Any, *, name: str | None = None, process_set: Any = None,
+              async_: bool = False) -> Any:
+    """Every rank's ``tensor`` concatenated along dimension 0 (sizes may differ); a 0-d
+    tensor counts as one row, as in Horovod."""
+    fw = ops_for(tensor)
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        t = _at_least_1d(fw, tensor)
+        data = _api.plan_allgather(t)
+        return Planned(Call(ng.ALLGATHER, code=code_of(t), shape=tuple(t.shape), name=name),
+                       _no_r(data))
+
+    return submit(ng.ALLGATHER, name, plan, async_=async_, label=name or "allgather")
+
+
+def grouped_allgather(tensors: Sequence[Any], *, name: str | None = None,
+                      process_set: Any = None, async_: bool = False) -> Any:
+    def plan() -> Planned:
+        check_process_set(process_set)
+        fw = _ops_of(list(tensors))
+        ts = [_at_least_1d(fw, t) for t in tensors]
+        steps = [_api.plan_allgather(t) for t in ts]
+        call = Call(ng.GROUPED_ALLGATHER, name=name, count=len(ts),
+                    ndim=max((fw.ndim(t) for t in ts), default=0),
+                    layout=_members(fw, ts, True))
+        return Planned(call, lambda r: [step() for step in steps])
+
+    return submit(ng.GROUPED_ALLGATHER, name, plan, async_=async_,
+                  label=name or "grouped_allgather")
+
+
+def row_offsets(dims: Sequence[int], process_set: Any = None) -> list[tuple[int, int]]:
+    """Where this rank's rows of each gathered tensor start, and how many there are: one
+    allgather of this rank's first dimensions, as Horovod's allgather gradients do."""
+    table = allgather(np.asarray([list(dims)], dtype=np.int64), process_set=process_set)
+    me = ddl.rank()
+    before = table[:me].sum(axis=0).tolist() if me else [0] * len(dims)
+    return [(int(b), int(d)) for b, d in zip(before, dims)]
+
+
+# ------------------------------------------------------------------- broadcast
+def broadcast(tensor: Any, root_rank: int, *, name: str | None = None, inplace: bool = False,
+              process_set: Any = None, async_: bool = False) -> Any:
+    def plan() -> Planned:
+        check_process_set(process_set)
+        root = check_root(root_rank)
+        data = _api.plan_broadcast(tensor, root, inplace)
+        call = Call(ng.BROADCAST, code=code_of(tensor), shape=tuple(tensor.shape), arg=root,
+                    name=name)
+        return Planned(call, _no_r(data))
+
+    return submit(ng.BROADCAST, name, plan, async_=async_,
+                  label=name or ("broadcast_" if inplace else "broadcast"))
+
+
+def broadcast_group_(tensors: Callable[[], Sequence[Any]], root_rank: int,
+                     name: str | None = None, what: str = "broadcast_parameters") -> None:
+    """``broadcast`` in place of every tensor ``tensors()`` gives, as one call. The tensors
+    are collected inside the call's plan, so a failure there is agreed too."""
+
+    def plan() -> Planned:
+        root = check_root(root_rank)
+        ts = list(tensors())
+        fw = _ops_of(ts)
+        steps = [_api.plan_broadcast(t, root, True) for t in ts]
+        call = Call(ng.GROUPED_BROADCAST, arg=root, name=name, count=len(ts),
+                    numel=sum(fw.numel(t) for t in ts),
+                    ndim=max((fw.ndim(t) for t in ts), default=0),
+                    layout=_members(fw, ts, False))
+        return Planned(call, lambda r: [step() for step in steps])
+
+    submit(ng.GROUPED_BROADCAST, name, plan, async_=False, label=name or what)
+
+
+# ------------------------------------------------------------------- alltoall
+def alltoall_splits(rows: int, splits: Sequence[int] | None, n: int | None = None
+                    ) -> list[int]:
+    """How many rows go to each of ``n`` ranks (the job's by default): ``splits``,
+    checked, or an even split."""
+    n = ddl.size() if n is None else n
+    if splits is None:
+        if rows % n:
+            raise ddl.DDLConfigError(
+                f"alltoall: dimension 0 has {rows} rows, not divisible by {n} ranks; pass splits"
+            )
+        return [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ddl.DDLConfigError(
+            f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}"
+        )
+    return splits
+
+
+def alltoall_receive(table: np.ndarray, data: Any, tail: tuple[int, ...],
+                     me: int | None = None) -> tuple[Any, Any]:
+    """Rank ``me``'s rows (this rank's by default) out of every rank's gathered rows
+    (``table[i][j]``: rows rank i sends to rank j, in j order), and how many came from
+    each rank."""
+    fw = ops_for(data)
+    me = ddl.rank() if me is None else me
+    pieces, start = [], 0
+    for i in range(table.shape[0]):
+        off = start + int(table[i, :me].sum())
+        pieces.append(data[off:off + int(table[i, me])])
+        start += int(table[i].sum())
+    out = fw.reshape(fw.cat(pieces), (-1,) + tuple(tail))
+    return out, fw.counts(table[:, me])
+
+
+def alltoall(tensor: Any, splits: Any = None, *, name: str | None = None,
+             process_set: Any = None, async_: bool = False, with_splits: bool = False) -> Any:
+    """Send ``splits[j]`` rows to rank ``j``; the rows received (and, with ``splits`` or
+    ``with_splits``, how many came from each rank), as Horovod's alltoall."""
+    fw = ops_for(tensor)
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        s = None if splits is None else fw.rows(splits)
+        nd = fw.ndim(tensor)
+        rows = tensor.shape[0] if nd else 1
+        row = int(np.prod(tuple(tensor.shape[1:]), dtype=np.int64)) if nd else 1
+        send = alltoall_splits(rows, s)
+        table = _api.plan_allgather(np.asarray([send], dtype=np.int64))
+        data = _api.plan_allgather(fw.reshape(tensor, (rows, row)))
+        tail = tuple(tensor.shape[1:])
+
+        def finish(got: tuple[np.ndarray, Any]) -> Any:
+            out, received = alltoall_receive(got[0], got[1], tail)
+            return out if splits is None and not with_splits else (out, received)
+
+        call = Call(ng.ALLTOALL, code=code_of(tensor), shape=tuple(tensor.shape), name=name)
+        return Planned(call, lambda r: (table(), data()), finish)
+
+    return submit(ng.ALLTOALL, name, plan, async_=async_, label=name or "alltoall")
+
+
+# -------------------------------------------------------------- reducescatter
+def reducescatter(tensors: Sequence[Any], *, op: Any = None, name: str | None = None,
+                  compression: type[Compressor] = NoneCompressor, process_set: Any = None,
+                  prescale: float = 1.0, postscale: float = 1.0, grouped: bool = False,
+                  async_: bool = False) -> Any:
+    """The one reducescatter: reduce over ranks, then this rank's block of dimension 0
+    (``ddl.split_rows``: as even as possible, lower ranks first, as Horovod splits it).
+    One tensor is a REDUCE_SCATTER call, a group one GROUPED_REDUCE_SCATTER call."""
+    kind = ng.GROUPED_REDUCE_SCATTER if grouped else ng.REDUCE_SCATTER
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        rop = resolve_op(None, op)
+        pre, post = float(prescale), float(postscale)
+        fw = _ops_of(list(tensors))
+        sent = [compression.compress(t) for t in tensors]
+        steps, scales = [], []
+        for i, (s, _) in enumerate(sent):
+            if pre != 1.0:
+                s = fw.scaled(s, pre)
+                sent[i] = (s, sent[i][1])
+            engine_op, scale = reduction(rop, s, post)
+            steps.append(_api.plan_reduce_scatter(s, engine_op))
+            scales.append(scale)
+        if grouped:
+            ss = [s for s, _ in sent]
+            call = Call(kind, rop, pre=pre, post=post, name=name, count=len(sent),
+                        numel=sum(fw.numel(s) for s in ss),
+                        ndim=max((fw.ndim(s) for s in ss), default=0),
+                        layout=_members(fw, ss, False))
+        else:
+            s = sent[0][0]
+            call = Call(kind, rop, code_of(s), tuple(s.shape), pre=pre, post=post, name=name)
+
+        def finish(outs: list[Any]) -> Any:
+            done = []
+            for out, scale, (_, ctx) in zip(outs, scales, sent):
+                if scale != 1.0:
+                    fw.scale_(out, scale)
+                done.append(compression.decompress(out, ctx))
+            return done if grouped else done[0]
+
+        return Planned(call, lambda r: [step() for step in steps], finish)
+
+    return submit(kind, name, plan, async_=async_, label=name or ng.NAMES[kind])
+
+
+# --------------------------------------------------------------- barrier, objects
+def barrier(process_set: Any = None) -> None:
+    def plan() -> Planned:
+        check_process_set(process_set)
+        return Planned(Call(ng.BARRIER), lambda r: None)
+
+    submit(ng.BARRIER, None, plan, async_=False, label="barrier")
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None, *, pickler: Any = NumpyOps) -> Any:
+    """``root_rank``'s ``obj`` on every rank (pickled by ``pickler.dumps``/``loads``): one
+    call, whose exchange also carries the root's payload length."""
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        root = check_root(root_rank)
+        payload = pickler.dumps(obj) if ddl.rank() == root else None
+
+        def data(r: np.ndarray) -> np.ndarray:
+            buf = (payload if payload is not None
+                   else np.empty(int(r[ng.PAYLOAD]), dtype=np.uint8))
+            _api.plan_broadcast(buf, root, True)()
+            return buf
+
+        def finish(buf: np.ndarray) -> Any:
+            return obj if payload is not None else pickler.loads(buf)
+
+        return Planned(Call(ng.BROADCAST_OBJECT, arg=root, name=name), data, finish,
+                       payload=0 if payload is None else payload.size)
+
+    return submit(ng.BROADCAST_OBJECT, name, plan, async_=False,
+                  label=name or "broadcast_object")
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, *,
+                     pickler: Any = NumpyOps) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+
+    def plan() -> Planned:
+        check_process_set(process_set)
+        payload = pickler.dumps(obj)
+
+        def data(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            lengths = _api.plan_allgather(np.asarray([payload.size], dtype=np.int64))()
+            return lengths, _api.plan_allgather(payload)()
+
+        def finish(got: tuple[np.ndarray, np.ndarray]) -> list[Any]:
+            out, off = [], 0
+            for n in got[0].tolist():
+                out.append(pickler.loads(got[1][off:off + n]))
+                off += n
+            return out
+
+        return Planned(Call(ng.ALLGATHER_OBJECT, name=name), data, finish)
+
+    return submit(ng.ALLGATHER_OBJECT, name, plan, async_=False,
+                  label=name or "allgather_object")
+
+
+def shutdown_exchange() -> None:
+    """``hvd.shutdown()``'s collective step: every rank has finished the calls before it,
+    and a rank still inside another collective hears that this one shuts down."""
+    submit(ng.SHUTDOWN, None, lambda: Planned(Call(ng.SHUTDOWN), lambda r: None),
+           async_=False, label="shutdown")
+
+
+__all__ = [
+    "ProcessSet", "allgather", "allgather_object", "allreduce", "alltoall",
+    "alltoall_receive", "alltoall_splits", "barrier", "broadcast", "broadcast_group_",
+    "broadcast_object", "check_process_set", "check_root", "global_process_set",
+    "grouped_allgather", "grouped_allreduce", "reducescatter", "reduction", "resolve_op",
+    "row_offsets", "shutdown_exchange", "submit_allreduce",
+]
