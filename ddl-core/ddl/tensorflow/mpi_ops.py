@@ -1,0 +1,438 @@
+"""Horovod's ``horovod.tensorflow`` collectives over :mod:`ddl.hvd.collectives`.
+
+A collective runs on the numpy view of its tensors: directly when executing eagerly, and as
+one stateful ``tf.numpy_function`` inside a ``tf.function`` (TensorFlow chains stateful ops
+in program order, so every rank that traces the same program issues the same collectives
+in the same order; the op's inputs are views of TensorFlow's buffers, so results always go
+to fresh arrays). Each op has Horovod's gradient, written with ``tf.custom_gradient``:
+without one, ``numpy_function`` has no gradient at all. XLA cannot compile a
+``numpy_function`` (``jit_compile=True`` fails), see docs/tensorflow.md.
+
+Errors raised inside a ``tf.function`` reach the caller as TensorFlow errors whose message
+is ddl's (``DDLMismatchError: ...``), on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import ddl
+from ddl.hvd import collectives as C
+from ddl.hvd import negotiate as ng
+from ddl.hvd.collectives import ProcessSet, global_process_set
+from ddl.hvd.compression import Compressor
+from ddl.hvd.join import join as _join
+
+from .compression import Compression
+
+
+def _run(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType],
+         name: str) -> list[tf.Tensor]:
+    """``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: now, or as one
+    stateful op of the graph being traced."""
+    if tf.executing_eagerly():
+        outs = fn(*[np.asarray(t) for t in inputs])
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+
+    def call(*arrays: np.ndarray) -> list[np.ndarray]:
+        return [np.asarray(o) for o in fn(*arrays)]
+
+    outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
+                             name=_op_name(name))
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _op_name(name: str) -> str:
+    return "DDL_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+
+
+def _tensor(x: Any) -> tf.Tensor:
+    return x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x)
+
+
+def _shape_rows(x: tf.Tensor) -> tf.TensorShape:
+    """The static shape of a gathered result: rows unknown, the rest as the input's."""
+    if x.shape.rank is None:
+        return tf.TensorShape(None)
+    return tf.TensorShape([None] + x.shape.as_list()[1:]) if x.shape.rank else \
+        tf.TensorShape([None])
+
+
+def _fill(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """Upstream gradients, zeros for outputs that did not reach the loss (every rank must
+    still take part in the gradient's collective)."""
+    return [tf.zeros_like(y) if g is None else g for g, y in zip(grads, like)]
+
+
+# ------------------------------------------------------------------- allreduce
+def _allreduce(x: tf.Tensor, average: bool | None, op: Any, pre: float, post: float,
+               name: str | None, process_set: Any) -> tf.Tensor:
+    """The differentiable allreduce: the gradient is the allreduce of the gradient with
+    the same op and scale factors (Horovod's ``_allreduce_grad``)."""
+
+    @tf.custom_gradient
+    def fwd(t: tf.Tensor) -> Any:
+        def step(a: np.ndarray) -> list[np.ndarray]:
+            return [C.allreduce(a, average=average, name=name, op=op, prescale=pre,
+                                postscale=post, process_set=process_set)]
+
+        y, = _run(step, [t], [t.dtype], name or "allreduce")
+        y.set_shape(t.shape)
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            return _allreduce(_fill([dy], [y])[0], average, op, pre, post, None, process_set)
+
+        return y, grad
+
+    return fwd(x)
+
+
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression: type[Compressor] = Compression.none,
+              op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: str | None = None, process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> Any:
+    """Average (or ``op``) of ``tensor`` over all ranks. A ``tf.IndexedSlices`` (the
+    gradient of an embedding lookup) is allgathered, values and indices, as Horovod does;
+    its ``op`` must be Sum or Average. ``device_*`` and ``ignore_name_scope`` are accepted
+    for compatibility."""
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, average, op, name, process_set)
+    tensor = _tensor(tensor)
+    sent, ctx = compression.compress(tensor)
+    out = _allreduce(sent, average, op, float(prescale_factor), float(postscale_factor),
+                     name, process_set)
+    return compression.decompress(out, ctx)
+
+
+def _sparse_allreduce(s: tf.IndexedSlices, average: bool | None, op: Any, name: str | None,
+                      process_set: Any) -> tf.IndexedSlices:
+    try:
+        rop = C.resolve_op(average, op)
+        if rop not in (ddl.Sum, ddl.Average):
+            raise ddl.DDLConfigError(
+                f"allreduce of tf.IndexedSlices supports op=Sum or Average, not {rop.name}; "
+                "pass sparse_as_dense=True to reduce it as a dense tensor")
+    except Exception as exc:
+        ng.fail_here(ng.ALLGATHER, exc, name or "allreduce", async_=False)
+        raise
+    values = allgather(s.values, name=None if name is None else name + ".values",
+                       process_set=process_set)
+    indices = allgather(s.indices, name=None if name is None else name + ".indices",
+                        process_set=process_set)
+    if rop is ddl.Average:
+        values = values / tf.cast(ddl.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
+
+
+def _grouped_allreduce(xs: list[tf.Tensor], average: bool | None, op: Any, pre: float,
+                       post: float, name: str | None, process_set: Any) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def fwd(*ts: tf.Tensor) -> Any:
+        def step(*arrays: np.ndarray) -> list[np.ndarray]:
+            return C.grouped_allreduce(list(arrays), average=average, name=name, op=op,
+                                       prescale=pre, postscale=post, process_set=process_set)
+
+        ys = _run(step, ts, [t.dtype for t in ts], name or "grouped_allreduce")
+        for y, t in zip(ys, ts):
+            y.set_shape(t.shape)
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return _grouped_allreduce(_fill(dys, ys), average, op, pre, post, None,
+                                      process_set)
+
+        return ys, grad
+
+    return list(fwd(*xs)) if xs else []
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: type[Compressor] = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
+    """``allreduce`` of every tensor as one call: one fused allreduce per dtype. Sparse
+    members (``tf.IndexedSlices``) are allgathered each, after the dense ones."""
+    dense_at = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    out: list[Any] = list(tensors)
+    sent = [compression.compress(_tensor(tensors[i])) for i in dense_at]
+    reduced = _grouped_allreduce([s for s, _ in sent], average, op, float(prescale_factor),
+                                 float(postscale_factor), name, process_set)
+    for i, r, (_, ctx) in zip(dense_at, reduced, sent):
+        out[i] = compression.decompress(r, ctx)
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            out[i] = _sparse_allreduce(t, average, op, None, process_set)
+    return out
+
+
+# ------------------------------------------------------------------- allgather
+def _row_start(d0: tf.Tensor, process_set: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """This rank's first row in a gathered tensor and its row count (one allgather of
+    the first dimensions, as Horovod's gradient does)."""
+    dims = allgather(tf.reshape(tf.cast(d0, tf.int64), [1]), process_set=process_set)
+    return tf.reduce_sum(dims[:ddl.rank()]), tf.cast(d0, tf.int64)
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every rank's ``tensor`` concatenated along dimension 0 (sizes may differ).
+    Differentiable: the gradient is this rank's rows of the Average allreduce of the
+    gradient (Horovod's ``_allgather_grad``)."""
+    x = _tensor(tensor)
+
+    @tf.custom_gradient
+    def fwd(t: tf.Tensor) -> Any:
+        def step(a: np.ndarray) -> list[np.ndarray]:
+            return [C.allgather(a, name=name, process_set=process_set)]
+
+        y, = _run(step, [t], [t.dtype], name or "allgather")
+        y.set_shape(_shape_rows(t))
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            r = _allreduce(_fill([dy], [y])[0], None, ddl.Average, 1.0, 1.0, None,
+                           process_set)
+            scalar = t.shape.rank == 0
+            start, n = _row_start(1 if scalar else tf.shape(t)[0], process_set)
+            piece = r[start:start + n]
+            return tf.reshape(piece, []) if scalar else piece
+
+        return y, grad
+
+    return fwd(x)
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """``allgather`` of each tensor, as one call. Differentiable."""
+    xs = [_tensor(t) for t in tensors]
+    if not xs:
+        return []
+
+    @tf.custom_gradient
+    def fwd(*ts: tf.Tensor) -> Any:
+        def step(*arrays: np.ndarray) -> list[np.ndarray]:
+            return C.grouped_allgather(list(arrays), name=name, process_set=process_set)
+
+        ys = _run(step, ts, [t.dtype for t in ts], name or "grouped_allgather")
+        for y, t in zip(ys, ts):
+            y.set_shape(_shape_rows(t))
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return [_allgather_grad_piece(dy, y, t, process_set)
+                    for dy, y, t in zip(dys, ys, ts)]
+
+        return ys, grad
+
+    return list(fwd(*xs))
+
+
+def _allgather_grad_piece(dy: Any, y: tf.Tensor, t: tf.Tensor, process_set: Any) -> tf.Tensor:
+    r = _allreduce(_fill([dy], [y])[0], None, ddl.Average, 1.0, 1.0, None, process_set)
+    scalar = t.shape.rank == 0
+    start, n = _row_start(1 if scalar else tf.shape(t)[0], process_set)
+    piece = r[start:start + n]
+    return tf.reshape(piece, []) if scalar else piece
+
+
+# ------------------------------------------------------------------- broadcast
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s ``tensor`` on every rank. Differentiable: the gradient is the
+    Average allreduce of the gradient on the root, zeros elsewhere (Horovod's)."""
+    x = _tensor(tensor)
+
+    @tf.custom_gradient
+    def fwd(t: tf.Tensor) -> Any:
+        def step(a: np.ndarray) -> list[np.ndarray]:
+            return [C.broadcast(a, root_rank, name=name, process_set=process_set)]
+
+        y, = _run(step, [t], [t.dtype], name or "broadcast")
+        y.set_shape(t.shape)
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            r = _allreduce(_fill([dy], [y])[0], None, ddl.Average, 1.0, 1.0, None,
+                           process_set)
+            return r if ddl.rank() == root_rank else r * 0
+
+        return y, grad
+
+    return fwd(x)
+
+
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
+                        process_set: ProcessSet = global_process_set,
+                        inplace: bool = False) -> Any:
+    """Assign every variable ``root_rank``'s value, as one call (ranks whose variables
+    differ in count, dtype or shape raise on every rank). Returns the assign op inside a
+    ``tf.function``, None when eager."""
+    C.check_process_set(process_set)
+    vs = list(variables)
+    if tf.executing_eagerly():
+        values = [np.array(v.numpy(), copy=True) for v in vs]
+        C.broadcast_group_(lambda: values, root_rank, what="broadcast_variables")
+        for v, a in zip(vs, values):
+            v.assign(a)
+        return None
+    if not vs:
+        return tf.no_op()
+
+    def step(*arrays: np.ndarray) -> list[np.ndarray]:
+        out = [np.array(a, copy=True) for a in arrays]
+        C.broadcast_group_(lambda: out, root_rank, what="broadcast_variables")
+        return out
+
+    outs = _run(step, [v.read_value() for v in vs], [v.dtype for v in vs],
+                "broadcast_variables")
+    return tf.group(*[v.assign(o) for v, o in zip(vs, outs)])
+
+
+# ------------------------------------------------- alltoall, reducescatter
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[j]`` rows to rank ``j``; the rows received, and (when ``splits`` is
+    given) how many came from each rank, as Horovod. Differentiable: the gradient is the
+    alltoall of the gradient back with the splits received."""
+    x = _tensor(tensor)
+    out, received = _alltoall(x, splits, name, process_set)
+    return out if splits is None else (out, received)
+
+
+def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any
+              ) -> tuple[tf.Tensor, tf.Tensor]:
+    given = splits is not None
+    sp = tf.cast(_tensor(splits), tf.int32) if given else tf.zeros([0], tf.int32)
+
+    @tf.custom_gradient
+    def fwd(t: tf.Tensor) -> Any:
+        def step(a: np.ndarray, s: np.ndarray) -> list[np.ndarray]:
+            y, r = C.alltoall(a, s if given else None, name=name, process_set=process_set,
+                              with_splits=True)
+            return [y, r.astype(np.int32)]
+
+        y, received = _run(step, [t, sp], [t.dtype, tf.int32], name or "alltoall")
+        y.set_shape(_shape_rows(t))
+        received.set_shape([ddl.size()])
+
+        def grad(dy: tf.Tensor, _unused: Any = None) -> tf.Tensor:
+            back, _ = _alltoall(_fill([dy], [y])[0], received, None, process_set)
+            return back
+
+        return (y, received), grad
+
+    return fwd(x)
+
+
+def _reducescatter(xs: list[tf.Tensor], op: Any, pre: float, post: float,
+                   name: str | None, process_set: Any, grouped: bool) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def fwd(*ts: tf.Tensor) -> Any:
+        def step(*arrays: np.ndarray) -> list[np.ndarray]:
+            out = C.reducescatter(list(arrays), op=op, name=name, process_set=process_set,
+                                  prescale=pre, postscale=post, grouped=grouped)
+            return out if grouped else [out]
+
+        ys = _run(step, ts, [t.dtype for t in ts], name or "reducescatter")
+        for y, t in zip(ys, ts):
+            y.set_shape(_shape_rows(t))
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            # Horovod's _reducescatter_grad: the allgather of the gradient, times size()
+            # for Sum, times the scale factors.
+            factor = pre * post * (ddl.size() if C.resolve_op(None, op) is ddl.Sum else 1)
+            gathered = grouped_allgather(_fill(dys, ys), process_set=process_set)
+            return [g * tf.cast(factor, g.dtype) if factor != 1.0 else g for g in gathered]
+
+        return ys, grad
+
+    return list(fwd(*xs))
+
+
+def reducescatter(tensor: Any, device_dense: str = "",
+                  compression: type[Compressor] = Compression.none, op: Any = None,
+                  name: str | None = None, process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """The Average (or ``op``) over ranks of ``tensor``, of which this rank gets its block
+    of dimension 0 (as even as possible, lower ranks first). Differentiable."""
+    sent, ctx = compression.compress(_tensor(tensor))
+    out, = _reducescatter([sent], op, float(prescale_factor), float(postscale_factor), name,
+                          process_set, False)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: type[Compressor] = Compression.none, op: Any = None,
+                          name: str | None = None,
+                          process_set: ProcessSet = global_process_set,
+                          ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
+    """``reducescatter`` of each tensor, as one call. Differentiable."""
+    sent = [compression.compress(_tensor(t)) for t in tensors]
+    if not sent:
+        return []
+    outs = _reducescatter([s for s, _ in sent], op, float(prescale_factor),
+                          float(postscale_factor), name, process_set, True)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
+
+
+# ----------------------------------------------------------- join, barrier, objects
+def join() -> tf.Tensor:
+    """Horovod's ``join``: this rank has no more data; it keeps serving the others'
+    collectives until every rank has joined. Returns the rank that joined last."""
+    last, = _run(lambda: [np.asarray(_join(), dtype=np.int32)], [], [tf.int32], "join")
+    last.set_shape([])
+    return last
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    C.barrier(process_set)
+
+
+class _CloudPickle:
+    """Objects travel pickled with cloudpickle (lambdas and local classes included), as in
+    Horovod's TensorFlow ``broadcast_object``; TensorFlow tensors as their numpy values."""
+
+    @staticmethod
+    def dumps(obj: Any) -> np.ndarray:
+        import cloudpickle
+
+        data = cloudpickle.dumps(_to_numpy(obj))
+        return np.frombuffer(data, dtype=np.uint8).copy()
+
+    @staticmethod
+    def loads(data: np.ndarray) -> Any:
+        import cloudpickle
+
+        return cloudpickle.loads(data.tobytes())
+
+
+def _to_numpy(obj: Any) -> Any:
+    if isinstance(obj, (tf.Tensor, tf.Variable)):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: _to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_to_numpy(v) for v in obj)
+    return obj
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
+                     name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s ``obj`` on every rank (eager; ``session`` is TF1's, not needed)."""
+    return C.broadcast_object(obj, root_rank, name, process_set, pickler=_CloudPickle)
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's ``obj``, in rank order (eager)."""
+    return C.allgather_object(obj, name, process_set, pickler=_CloudPickle)

@@ -1,0 +1,511 @@
+"""``ddlrun --check-build``: what this host can run now, in ``horovodrun --check-build``'s
+``[X]``/``[ ]`` layout (or ``--json``), and ``--require NAME`` to make a script stop when
+something it needs is missing.
+
+Three steps, as in the rest of the launcher: ``gather()`` collects facts (a JSON-able dict;
+it prints nothing), ``render()`` turns facts into text and ``missing()`` checks requirements
+against them; both are pure, so tests feed them a facts dict.
+
+Frameworks are probed in child processes of this python (``python -c ... <probe>``), each
+with a timeout and all at once: importing TensorFlow takes seconds, and an import that
+crashes or hangs (a broken CUDA install) must show as ``[ ]`` with its reason, not take
+ddlrun down. A package that is not installed is told by ``importlib.util.find_spec``
+without starting a child.
+
+Facts, by key: ``powerddl`` (version; whether ``import ddl`` works), ``python``,
+``frameworks`` (torch, tensorflow, keras), ``engines`` (shm, gloo, nccl, mpi), ``launchers``
+(local, ssh, mpirun, slurm, lsf: ``--launcher``'s choices), ``allocation`` (slurm, lsf or
+None), ``gpus``, ``shm`` (/dev/shm against the staging area ddl's shared-memory engine
+reserves, ``DDL_SHM_MAX_BYTES``), and, from ``run()``, ``required`` and ``missing``.
+Every item has ``ok`` and, when it is not ok, ``error``: one line saying why.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from . import version
+from .errors import UsageError
+from .hosts import detect_allocation
+from .preflight import count_gpus
+
+PROBE_TIMEOUT = 120.0  # seconds per child; TensorFlow's import alone takes ~5 s
+MISSING_EXIT = 3  # as a failed preflight; 2 stays a usage error (an unknown --require name)
+
+FRAMEWORKS = ("torch", "tensorflow", "keras")
+ENGINES = ("shm", "gloo", "nccl", "mpi")
+LAUNCHERS = ("local", "ssh", "mpirun", "slurm", "lsf")
+REQUIREMENTS = (*FRAMEWORKS, *ENGINES, "cuda", "gpu", *LAUNCHERS[1:])
+
+_TITLES = {"torch": "PyTorch", "tensorflow": "TensorFlow", "keras": "Keras"}
+_REASON_CHARS = 200
+
+Facts = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- children
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line[:_REASON_CHARS]
+
+
+def _probe_ddl() -> Facts:
+    try:
+        import ddl
+        from ddl import config
+        from ddl.engines import segments, shm  # noqa: F401  (the engine must import)
+    except Exception as exc:  # any import failure is a fact to show, not a crash
+        return {"ok": False, "error": _reason(exc)}
+    facts: Facts = {"ok": True, "version": ddl.__version__, "shm_dir": segments.SHM_DIR}
+    try:
+        # the registry's values, so DDL_SHM_* in this environment count as they will in a job
+        facts["staging_bytes"] = config.get("DDL_SHM_MAX_BYTES")
+        facts["heap_bytes"] = config.get("DDL_SHM_HEAP_BYTES")
+    except Exception as exc:
+        facts["config_error"] = _reason(exc)
+    return facts
+
+
+def _probe_torch() -> Facts:
+    try:
+        import torch
+    except Exception as exc:
+        return {"torch": {"ok": False, "error": _reason(exc)}}
+    cuda = torch.version.cuda  # None on a CPU build
+    hip = getattr(torch.version, "hip", None)
+    try:
+        cuda_ok = bool(cuda or hip) and torch.cuda.is_available()
+        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+                   ] if cuda_ok else []
+    except Exception as exc:
+        cuda_ok, devices = False, []
+        cuda_error = _reason(exc)
+    else:
+        cuda_error = None
+    out: Facts = {"torch": {"ok": True, "version": torch.__version__, "cuda": cuda, "hip": hip,
+                            "cuda_available": cuda_ok, "cuda_error": cuda_error,
+                            "devices": devices}}
+    try:
+        from ddl.engines.device import available  # ddl's own rule for its device engines
+    except Exception as exc:
+        why = f"ddl does not import: {_reason(exc)}"
+        out["gloo"] = out["nccl"] = {"ok": False, "error": why}
+        return out
+    out["gloo"] = {"ok": available("gloo")}
+    nccl: Facts = {"ok": available("nccl")}
+    if nccl["ok"]:
+        try:
+            got = torch.cuda.nccl.version()
+            nccl["version"] = ".".join(map(str, got)) if isinstance(got, tuple) else str(got)
+        except Exception as exc:
+            nccl["version"], nccl["version_error"] = None, _reason(exc)
+    out["nccl"] = nccl
+    return out
+
+
+def _probe_tensorflow() -> Facts:
+    out: Facts = {}
+    # Keras shares the child: with its TensorFlow backend it imports TensorFlow anyway,
+    # and a second multi-second import would only add load.
+    try:
+        if importlib.util.find_spec("tensorflow") is not None:
+            import tensorflow as tf
+
+            out["tensorflow"] = {"ok": True, "version": tf.__version__,
+                                 "cuda": bool(tf.test.is_built_with_cuda()),
+                                 "gpus": len(tf.config.list_physical_devices("GPU"))}
+    except Exception as exc:
+        out["tensorflow"] = {"ok": False, "error": _reason(exc)}
+    if importlib.util.find_spec("keras") is None:
+        return out
+    try:
+        import keras
+
+        if hasattr(keras, "config") and hasattr(keras.config, "backend"):
+            backend = keras.config.backend()  # Keras 3: KERAS_BACKEND, else keras.json
+        else:
+            backend = keras.backend.backend()
+        out["keras"] = {"ok": True, "version": keras.__version__, "backend": backend}
+    except Exception as exc:
+        out["keras"] = {"ok": False, "error": _reason(exc),
+                        "backend": os.environ.get("KERAS_BACKEND")}
+    return out
+
+
+def _probe_mpi() -> Facts:
+    try:
+        import mpi4py
+
+        # MPI_Get_library_version needs no MPI_Init: a probe must not start an MPI job
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        text = MPI.Get_library_version().replace("\x00", "").strip()
+        major, minor = MPI.Get_version()
+    except Exception as exc:
+        return {"ok": False, "error": _reason(exc)}
+    first = " ".join(text.splitlines()[0].split()) if text else ""
+    return {"ok": True, "library": first.split(",")[0], "library_version": text,
+            "standard": f"{major}.{minor}", "mpi4py": mpi4py.__version__}
+
+
+# what each child probes, and the top-level packages it needs (none found: no child)
+PROBES: dict[str, tuple[Callable[[], Facts], tuple[str, ...]]] = {
+    "ddl": (_probe_ddl, ("ddl",)),
+    "torch": (_probe_torch, ("torch",)),
+    "tensorflow": (_probe_tensorflow, ("tensorflow", "keras")),
+    "mpi": (_probe_mpi, ("mpi4py",)),
+}
+
+# argv[2] is the folder holding this ddlrun package: the child runs this very module,
+# even when the parent found ddlrun through a path the child's python lacks
+_CHILD = ("import sys; sys.path.insert(0, sys.argv[2]); "
+          "from ddlrun.check_build import child_main; child_main(sys.argv[1])")
+
+
+def child_main(name: str) -> None:
+    """Run one probe and print its facts as one JSON line (the last line of stdout)."""
+    facts = PROBES[name][0]()
+    sys.stdout.flush()
+    print(json.dumps(facts), flush=True)
+
+
+def run_probe(name: str, timeout: float = PROBE_TIMEOUT,
+              environ: Mapping[str, str] | None = None) -> Facts:
+    """One probe in a child of this python: its facts, or ``{"error": why}``."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's start-up chatter
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHILD, name, here], capture_output=True,
+                             text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer within {timeout:g} s (a hanging import?)"}
+    except OSError as exc:
+        return {"error": f"cannot run {sys.executable}: {exc.strerror}"}
+    for line in reversed(out.stdout.splitlines()):
+        with contextlib.suppress(ValueError):
+            data = json.loads(line)
+            if isinstance(data, dict):
+                return data
+    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"the probe exited {out.returncode}: {last}"[:_REASON_CHARS]}
+
+
+def _installed(names: Iterable[str]) -> bool:
+    for name in names:
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(name) is not None:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------- gather
+def _not_installed(name: str) -> Facts:
+    hint = {"torch": "pip install 'powerddl[torch]'", "mpi4py": "pip install 'powerddl[mpi]'"}
+    extra = f" ({hint[name]})" if name in hint else ""
+    return {"ok": False, "error": f"{name} is not installed{extra}"}
+
+
+def _failed(child: Facts, what: str) -> Facts:
+    return {"ok": False, "error": f"{what}: {child['error']}"}
+
+
+def _shm_facts(ddl_facts: Facts, statvfs: Callable[[str], os.statvfs_result]) -> Facts:
+    path = ddl_facts.get("shm_dir", "/dev/shm")
+    facts: Facts = {"path": path, "size": None, "free": None,
+                    "staging_bytes": ddl_facts.get("staging_bytes"),
+                    "heap_bytes": ddl_facts.get("heap_bytes")}
+    try:
+        st = statvfs(path)
+    except OSError as exc:
+        return {**facts, "ok": False, "error": f"{path}: {exc.strerror}"}
+    facts.update(size=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize)
+    need = facts["staging_bytes"]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return {**facts, "ok": False, "error": f"{path} is not writable by this user"}
+    if need is None:
+        why = ddl_facts.get("config_error") or ddl_facts.get("error") or "unknown"
+        return {**facts, "ok": False, "error": f"staging area size unknown: {why}"}
+    if facts["free"] < need:
+        fix = ("start the container with a larger /dev/shm (docker run --shm-size=1g, or "
+               "--ipc=host) or lower DDL_SHM_MAX_BYTES" if facts["size"] < need else
+               "other segments use it (ddlrun --cleanup removes those of killed jobs)")
+        return {**facts, "ok": False,
+                "error": f"{mib(facts['free'])} free, the staging area needs {mib(need)}: "
+                         f"{fix}"}
+    return {**facts, "ok": True}
+
+
+def _launchers() -> Facts:
+    from .backends.lsf import LsfBackend
+    from .backends.mpirun import MpirunBackend
+    from .backends.slurm import SlurmBackend
+
+    mpirun = MpirunBackend.exe()
+    paths = {"ssh": shutil.which("ssh"), "mpirun": mpirun and shutil.which(mpirun),
+             "slurm": shutil.which("srun") if SlurmBackend.exists() else None,
+             "lsf": shutil.which("blaunch") if LsfBackend.exists() else None}
+    exes = {"ssh": "ssh", "mpirun": "mpirun", "slurm": "srun", "lsf": "blaunch"}
+    out: Facts = {"local": {"ok": True, "path": None}}
+    for name, path in paths.items():
+        out[name] = ({"ok": True, "path": path} if path else
+                     {"ok": False, "path": None, "error": f"{exes[name]} not found on PATH"})
+    return out
+
+
+def _frameworks(child: Mapping[str, Facts]) -> Facts:
+    out: Facts = {}
+    torch = child.get("torch")
+    if torch is None:
+        out["torch"] = _not_installed("torch")
+    elif "error" in torch:
+        out["torch"] = _failed(torch, "import torch")
+    else:
+        out["torch"] = torch["torch"]
+    tf = child.get("tensorflow")  # TensorFlow's child probes Keras too
+    for name in ("tensorflow", "keras"):
+        if tf is None or (name not in tf and "error" not in tf):
+            out[name] = _not_installed(name)
+        elif "error" in tf:
+            out[name] = _failed(tf, f"import {name}")
+        else:
+            out[name] = tf[name]
+    return out
+
+
+def _engines(child: Mapping[str, Facts], torch: Facts, ddl_facts: Facts, shm: Facts) -> Facts:
+    out: Facts = {}
+    if not ddl_facts["ok"]:
+        out["shm"] = {"ok": False, "error": f"ddl does not import: {ddl_facts['error']}"}
+    else:
+        out["shm"] = {"ok": True} if shm["ok"] else {"ok": False, "error": shm["error"]}
+    for name in ("gloo", "nccl"):
+        if not torch["ok"]:
+            out[name] = {"ok": False, "error": f"needs torch ({torch['error']})"}
+        else:
+            out[name] = dict(child["torch"].get(name, {"ok": False, "error": "not probed"}))
+    nccl = out["nccl"]
+    if nccl["ok"] and not torch.get("cuda_available"):
+        # torch has NCCL but no GPU to run it on: not available now
+        out["nccl"] = {**nccl, "ok": False, "error": _no_cuda(torch)}
+    elif not nccl["ok"] and not nccl.get("error"):
+        nccl["error"] = (f"torch {torch['version']} has no NCCL"
+                         if torch.get("cuda") or torch.get("hip") else _no_cuda(torch))
+    if not out["gloo"]["ok"] and not out["gloo"].get("error"):
+        out["gloo"]["error"] = f"torch {torch['version']} has no Gloo"
+    mpi = child.get("mpi")
+    if mpi is None:
+        out["mpi"] = _not_installed("mpi4py")
+    elif "ok" not in mpi:
+        out["mpi"] = _failed(mpi, "import mpi4py")
+    else:
+        out["mpi"] = mpi
+    return out
+
+
+def gather(environ: Mapping[str, str] | None = None, timeout: float = PROBE_TIMEOUT,
+           probe: Callable[[str, float], Facts] | None = None,
+           statvfs: Callable[[str], os.statvfs_result] = os.statvfs) -> Facts:
+    """Facts about this host (see the module docstring). ``probe(name, timeout)`` runs one
+    of ``PROBES`` (default: in a child of this python, under ``environ``)."""
+    env = os.environ if environ is None else environ
+    run = probe or (lambda name, t: run_probe(name, t, env))
+    wanted = [name for name, (_, packages) in PROBES.items() if _installed(packages)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(PROBES)) as pool:
+        futures = {name: pool.submit(run, name, timeout) for name in wanted}
+        child = {name: f.result() for name, f in futures.items()}
+
+    ddl_facts = child.get("ddl", _not_installed("ddl"))
+    if "ok" not in ddl_facts:
+        ddl_facts = _failed(ddl_facts, "import ddl")
+    frameworks = _frameworks(child)
+    torch = frameworks["torch"]
+    shm = _shm_facts(ddl_facts, statvfs)
+    gpus = {"nvidia_smi": count_gpus() if shutil.which("nvidia-smi") else None,
+            "torch": len(torch["devices"]) if torch["ok"] else None,
+            "devices": list(torch["devices"]) if torch["ok"] else []}
+    return {
+        "powerddl": {"version": version(), "ddl": ddl_facts},
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "frameworks": frameworks,
+        "engines": _engines(child, torch, ddl_facts, shm),
+        "launchers": _launchers(),
+        "allocation": detect_allocation(env),
+        "gpus": gpus,
+        "shm": shm,
+    }
+
+
+def _no_cuda(torch: Facts) -> str:
+    if not torch.get("cuda") and not torch.get("hip"):
+        return f"torch {torch['version']} is a CPU build"
+    if torch.get("cuda_error"):
+        return f"torch {torch['version']}: {torch['cuda_error']}"
+    return f"torch {torch['version']} sees no CUDA device"
+
+
+# ---------------------------------------------------------------------------- pure
+def mib(nbytes: int) -> str:
+    if nbytes >= 1 << 30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def parse_required(values: Iterable[str]) -> tuple[str, ...]:
+    """``--require`` values (repeatable, or comma lists) -> names, in order, once each."""
+    names: list[str] = []
+    for value in values:
+        for name in (n.strip().lower() for n in value.split(",")):
+            if not name:
+                continue
+            if name not in REQUIREMENTS:
+                raise UsageError(f"--require {name!r}: unknown; choose from "
+                                 f"{', '.join(REQUIREMENTS)}")
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _requirement(facts: Facts, name: str) -> Facts:
+    """The item that decides requirement ``name``: {"ok": ..., "error": ...}."""
+    if name in FRAMEWORKS:
+        return facts["frameworks"][name]
+    if name in ENGINES:
+        return facts["engines"][name]
+    if name in LAUNCHERS:
+        return facts["launchers"][name]
+    torch = facts["frameworks"]["torch"]
+    if name == "cuda":
+        if not torch["ok"]:
+            return {"ok": False, "error": f"needs torch ({torch['error']})"}
+        return {"ok": True} if torch.get("cuda_available") else {"ok": False,
+                                                                 "error": _no_cuda(torch)}
+    gpus = facts["gpus"]
+    seen = max(gpus.get("nvidia_smi") or 0, gpus.get("torch") or 0)
+    return {"ok": True} if seen else {"ok": False, "error": _no_gpu(gpus)}
+
+
+def _no_gpu(gpus: Facts) -> str:
+    smi = "nvidia-smi not found" if gpus.get("nvidia_smi") is None else "nvidia-smi lists none"
+    by_torch = "no torch" if gpus.get("torch") is None else "torch sees none"
+    return f"no GPU seen ({smi}; {by_torch})"
+
+
+def missing(facts: Facts, required: Sequence[str]) -> list[tuple[str, str]]:
+    """(name, why) for each required name this host lacks."""
+    out = []
+    for name in required:
+        item = _requirement(facts, name)
+        if not item["ok"]:
+            out.append((name, item.get("error") or "not available"))
+    return out
+
+
+def _row(item: Facts, label: str, detail: str = "") -> str:
+    mark = "[X]" if item["ok"] else "[ ]"
+    if not item["ok"]:
+        return f"    {mark} {label}: {item.get('error') or 'not available'}"
+    return f"    {mark} {label}{f' {detail}' if detail else ''}"
+
+
+def _framework_detail(name: str, item: Facts) -> str:
+    if name == "torch":
+        if item.get("hip"):
+            build = f"ROCm {item['hip']} build"
+        elif item.get("cuda"):
+            build = f"CUDA {item['cuda']} build"
+        else:
+            build = "CPU build"
+        return f"{item['version']} ({build})"
+    if name == "keras":
+        return f"{item['version']} (backend: {item.get('backend')})"
+    if name == "tensorflow" and item.get("cuda"):
+        return f"{item['version']} (CUDA build, {item.get('gpus', 0)} GPU(s))"
+    return str(item.get("version", ""))
+
+
+def _engine_detail(name: str, item: Facts) -> str:
+    if name == "shm":
+        return "(ddl's shared memory, inside a host)"
+    if name == "nccl" and item.get("version"):
+        return item["version"]
+    if name == "mpi":
+        return f"({item['library']}, MPI {item['standard']}, mpi4py {item['mpi4py']})"
+    return ""
+
+
+def render(facts: Facts) -> str:
+    """The report, ``horovodrun --check-build``'s layout with ddl's sections."""
+    ddl = facts["powerddl"]["ddl"]
+    py = facts["python"]
+    head = f"PowerDDL v{facts['powerddl']['version']} (python {py['version']}, {py['executable']}"
+    head += ")" if ddl["ok"] else f"; ddl does not import: {ddl['error']})"
+    lines = [f"{head}:", "", "Available Frameworks:"]
+    for name in FRAMEWORKS:
+        item = facts["frameworks"][name]
+        lines.append(_row(item, _TITLES[name], _framework_detail(name, item) if item["ok"]
+                          else ""))
+    lines += ["", "Available Engines:"]
+    for name in ENGINES:
+        item = facts["engines"][name]
+        lines.append(_row(item, name, _engine_detail(name, item) if item["ok"] else ""))
+    lines += ["", "Available Launchers:"]
+    for name in LAUNCHERS:
+        item = facts["launchers"][name]
+        detail = f"({item['path']})" if item.get("path") else ""
+        if name == facts.get("allocation"):
+            detail += " in this allocation"
+        lines.append(_row(item, name, detail.strip()))
+    gpus = facts["gpus"]
+    lines += ["", "GPUs:", _row(_requirement(facts, "cuda"), "CUDA")]
+    smi = gpus.get("nvidia_smi")
+    lines.append(f"    nvidia-smi: {'not found' if smi is None else smi}; torch sees "
+                 f"{'-' if gpus.get('torch') is None else gpus['torch']}")
+    for index, device in enumerate(gpus.get("devices", [])):
+        lines.append(f"    {index}: {device}")
+    shm = facts["shm"]
+    lines += ["", "Shared Memory:"]
+    if shm.get("size") is not None:
+        lines.append(f"    {shm['path']}: {mib(shm['size'])}, {mib(shm['free'])} free")
+    if shm.get("staging_bytes") is not None:
+        label = f"staging area {mib(shm['staging_bytes'])} (DDL_SHM_MAX_BYTES)"
+        lines.append(_row(shm, label, "fits"))
+        if shm.get("heap_bytes"):
+            lines.append(f"    ddl.malloc() adds {mib(shm['heap_bytes'])} per rank "
+                         "(DDL_SHM_HEAP_BYTES) when used")
+    else:
+        lines.append(_row(shm, shm["path"]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- act
+def run(as_json: bool, require: Sequence[str], note: Callable[[str], None],
+        facts: Facts | None = None) -> int:
+    """``ddlrun --check-build [--json] [--require NAME]``: print, then 0, or
+    ``MISSING_EXIT`` with one line naming what is missing."""
+    required = parse_required(require)
+    facts = gather() if facts is None else facts
+    lacking = missing(facts, required)
+    if as_json:
+        facts = {**facts, "required": list(required),
+                 "missing": {name: why for name, why in lacking}}
+        print(json.dumps(facts, indent=2), flush=True)
+    else:
+        print(render(facts), flush=True)
+    if lacking:
+        note("--check-build: missing " + "; ".join(f"{name} ({why})" for name, why in lacking))
+        return MISSING_EXIT
+    return 0

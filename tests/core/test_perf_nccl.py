@@ -1,0 +1,337 @@
+"""ddl-perf's nccl-tests-compatible collective benchmarks: the pure parts against nccl-tests'
+own rules and a real nccl-tests output, the check against corrupted results, and real
+2-rank runs of every collective through ddlrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddl.perf import allreduce as ar
+from ddl.perf import worker
+
+BIN = Path(sys.executable).parent
+# Lines of a real all_reduce_perf run (nccl-tests 2.13, 16 H100s), header and two rows.
+NCCL_HEADER = [
+    "#                                                              out-of-place       "
+    "                in-place          ",
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+    "     time   algbw   busbw #wrong",
+    "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)      "
+    "      (us)  (GB/s)  (GB/s)       ",
+]
+NCCL_ROW_SMALL = ("           8             2     float     sum      -1    135.8    0.00    0.00"
+                  "      0    123.5    0.00    0.00      0")
+NCCL_ROW_BIG = ("  2147483648     536870912     float     sum      -1    12646  169.81  318.40"
+                "      0    12641  169.88  318.52      0")
+
+
+# ----------------------------------------------------------------------- pure parts
+def test_sizes_parse_with_nccl_tests_suffixes():
+    assert ar.parse_size("8") == 8
+    assert ar.parse_size("64K") == ar.parse_size("64k") == ar.parse_size("64KB") == 65536
+    assert ar.parse_size("128M") == 128 << 20 and ar.parse_size("1G") == 1 << 30
+    assert ar.parse_size("1.5M") == 3 << 19 and ar.parse_size(" 4MiB ") == 4 << 20
+    for bad in ("", "8Q", "K", "-1", "1e3"):
+        with pytest.raises(ValueError, match="invalid size"):
+            ar.parse_size(bad)
+
+
+def test_size_sweep_visits_what_nccl_tests_visits():
+    assert ar.sweep(8, 64 << 10, 4) == [8, 32, 128, 512, 2048, 8192, 32768]
+    doubling = ar.sweep(8, 128 << 20, 2)
+    assert len(doubling) == 25 and doubling[0] == 8 and doubling[-1] == 128 << 20
+    assert ar.sweep(1 << 20, 3 << 20, 1, 1 << 20) == [1 << 20, 2 << 20, 3 << 20]
+    assert ar.sweep(32 << 20, 32 << 20) == [32 << 20]  # nccl-tests' default: one size
+    assert ar.sweep(5, 5, 1, 0) == [5]
+    with pytest.raises(ValueError, match="min bytes <= max bytes"):
+        ar.sweep(1024, 8, 2)
+    with pytest.raises(ValueError, match="never leaves 0"):
+        ar.sweep(0, 8, 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_bus_bandwidth_factors_and_counts_per_collective(n):
+    factor = {name: c.bus_factor(n) for name, c in ar.COLLECTIVES.items()}
+    assert factor["allreduce"] == pytest.approx(2 * (n - 1) / n)
+    for name in ("allgather", "reduce_scatter", "alltoall"):
+        assert factor[name] == pytest.approx((n - 1) / n)
+    assert factor["broadcast"] == 1.0
+    # the size column is the whole buffer; allgather / reduce_scatter count per rank
+    count = 1024
+    c = {name: coll.counts(count, n) for name, coll in ar.COLLECTIVES.items()}
+    assert c["allreduce"] == c["broadcast"] == ar.Counts(count, count, count)
+    per = count // n
+    assert c["allgather"] == ar.Counts(per, per * n, per)
+    assert c["reduce_scatter"] == ar.Counts(per * n, per, per)
+    assert c["alltoall"] == ar.Counts(per * n, per * n, per)
+    t = ar.timing(10**9, 0.5, n, "allreduce", 0)
+    assert t.algbw == pytest.approx(2.0) and t.busbw == pytest.approx(2.0 * factor["allreduce"])
+
+
+def test_busbw_of_the_older_harness_is_the_allreduce_one():
+    assert ar.busbw(10**9, 1.0, 4) == pytest.approx(1.5) and ar.busbw(10**9, 1.0, 1) == 0.0
+    assert ar.busbw(10**9, 1.0, 4, "allgather") == pytest.approx(0.75)
+    assert ar.busbw(10**9, 1.0, 1, "broadcast") == pytest.approx(1.0)
+
+
+def test_rows_and_header_are_byte_for_byte_nccl_tests():
+    assert ar.table_header() == NCCL_HEADER
+    zero = ar.Timing(135.8e-6, 0.0, 0.0, 0)
+    assert ar.format_row(8, 2, "float", "sum", -1, zero,
+                         ar.Timing(123.5e-6, 0.0, 0.0, 0)) == NCCL_ROW_SMALL
+    assert ar.format_row(2147483648, 536870912, "float", "sum", -1,
+                         ar.Timing(12646e-6, 169.81, 318.40, 0),
+                         ar.Timing(12641e-6, 169.88, 318.52, 0)) == NCCL_ROW_BIG
+    row = ar.format_row(1024, 256, "half", "none", 0, ar.Timing(42.123e-6, 0.02, 0.02, 3),
+                        ar.Timing(42.0e-6, 0.02, 0.02, None))
+    assert row.split() == ["1024", "256", "half", "none", "0", "42.12", "0.02", "0.02", "3",
+                           "42.00", "0.02", "0.02", "N/A"]
+    assert ar.footer(0, 70.742) == ["# Out of bounds values : 0 OK",
+                                    "# Avg bus bandwidth    : 70.742 ", "#"]
+    assert ar.footer(2, 1.5)[0] == "# Out of bounds values : 2 FAILED"
+
+
+def _simulate(name: str, inputs: list[np.ndarray], op: str, root: int, reverse: bool
+              ) -> list[np.ndarray]:
+    """What a correct engine leaves on every rank, reducing in the dtype itself (in rank
+    order, or reversed), as an engine would."""
+    n = len(inputs)
+    order = list(reversed(inputs)) if reverse else inputs
+    if name in ("allreduce", "reduce_scatter"):
+        ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum,
+                 "min": np.minimum}[op]
+        with np.errstate(over="ignore"):
+            acc = order[0].copy()
+            for x in order[1:]:
+                ufunc(acc, x, out=acc)
+            if op == "avg":
+                acc = (acc / acc.dtype.type(n)).astype(acc.dtype)
+        if name == "allreduce":
+            return [acc] * n
+        per = acc.size // n
+        return [acc[r * per:(r + 1) * per] for r in range(n)]
+    if name == "broadcast":
+        return [inputs[root]] * n
+    if name == "allgather":
+        return [np.concatenate(inputs)] * n
+    per = inputs[0].size // n
+    return [np.concatenate([inputs[j][r * per:(r + 1) * per] for j in range(n)])
+            for r in range(n)]
+
+
+@pytest.mark.parametrize("name", list(ar.COLLECTIVES))
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_expected_results_are_exact_in_any_reduction_order(name, n):
+    for dtype in (ar.DTYPES[d] for d in ("int8", "uint8", "int32", "uint64", "half", "float",
+                                         "double")):
+        ops = ("sum", "prod", "max", "min") + (("avg",) if dtype.is_float else ())
+        for op in ops if ar.COLLECTIVES[name].reduces else ("sum",):
+            counts = ar.COLLECTIVES[name].counts(60, n)
+            root = n - 1
+            inputs = [ar.rank_input(name, counts, r, n, op, dtype, seed=7) for r in range(n)]
+            for reverse in (False, True):
+                got = _simulate(name, inputs, op, root, reverse)
+                for r in range(n):
+                    want = ar.expected(name, counts, r, n, op, dtype, root, seed=7)
+                    assert want.dtype == np.dtype(dtype.numpy) and want.size == counts.recv
+                    assert ar.count_wrong(got[r], want) == 0, (name, dtype.name, op, n, r)
+
+
+def test_check_counts_every_corrupted_element():
+    counts = ar.COLLECTIVES["allreduce"].counts(1000, 4)
+    want = ar.expected("allreduce", counts, 0, 4, "sum", ar.DTYPES["float"])
+    got = want.copy()
+    assert ar.count_wrong(got, want) == 0
+    got[[3, 500, 999]] += 1
+    assert ar.count_wrong(got, want) == 3
+    got[10] = np.nan
+    assert ar.count_wrong(got, want) == 4
+    assert ar.count_wrong(want[:-1], want) == 1000  # a short result: every element wrong
+    # each rank contributes: one rank's data missing from a sum is caught everywhere
+    partial = sum(ar.rank_input("allreduce", counts, r, 4, "sum", ar.DTYPES["float"])
+                  for r in range(3))
+    assert ar.count_wrong(partial, want) == counts.recv
+
+
+class _OneRank:
+    """The control plane of a one-rank job, without ddl."""
+
+    rank, size = 0, 1
+
+    def barrier(self) -> None: ...
+
+    def mean(self, value: float) -> float:
+        return value
+
+    def total(self, value: int) -> int:
+        return value
+
+    def gather_lines(self, line: str) -> list[str]:
+        return [line]
+
+
+class _Copying(worker.Engine):
+    """An engine whose allreduce copies its input, corrupting one element when ``bad``."""
+
+    name = "copying"
+
+    def __init__(self, bad: bool) -> None:
+        super().__init__(0, 1, "cpu")
+        self.bad = bad
+
+    def allreduce(self, send, recv, op, root, in_place):
+        np.copyto(recv, send)
+        if self.bad and recv.size:
+            recv[-1] += 1
+        return recv
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_wrong_result_is_counted_and_fails_the_run(bad, capsys):
+    cfg = ar.Config("allreduce", tuple(ar.sweep(8, 512, 4)), iters=2, warmup=1, check=2)
+    assert ar.run_job(cfg, [_Copying(bad)], _OneRank()) == (1 if bad else 0)
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln.split() for ln in out if ln and not ln.startswith("#")]
+    assert [int(r[0]) for r in rows] == [8, 32, 128, 512]
+    assert all(r[8] == r[12] == ("1" if bad else "0") for r in rows)
+    assert f"# Out of bounds values : {8 if bad else 0} {'FAILED' if bad else 'OK'}" in out
+
+
+def test_engines_refuse_what_they_cannot_run():
+    with pytest.raises(worker.Unavailable, match="horovod"):
+        worker.make_engines(["horovod"], 0, 1, "cpu", "allreduce", ar.DTYPES["float"], "sum")
+    with pytest.raises(worker.Unavailable, match="unknown engine"):
+        worker.make_engines(["nope"], 0, 1, "cpu", "allreduce", ar.DTYPES["float"], "sum")
+    copying = _Copying(False)
+    with pytest.raises(worker.Unavailable, match="bfloat16"):
+        copying.check("allreduce", ar.DTYPES["bfloat16"], "sum")
+    with pytest.raises(worker.Unavailable, match="no 'mulsum'"):
+        copying.check("allreduce", ar.DTYPES["float"], "mulsum")
+
+
+def test_in_place_buffers_are_laid_out_as_in_nccl_tests():
+    eng = _Copying(False)
+    eng.rank, eng.size = 1, 2
+    for name, send, recv in (("allgather", 4, 8), ("reduce_scatter", 8, 4)):
+        call = eng.prepare(name, ar.Counts(send, recv, 4), ar.DTYPES["float"], "sum", 0, True)
+        values = np.arange(1, send + 1, dtype=np.float32)
+        call.load(values)
+        buf = call.result()  # before any run: the receive buffer
+        if name == "allgather":  # this rank's input sits at its block of the output
+            assert buf.tolist() == [0, 0, 0, 0, 1, 2, 3, 4]
+        else:  # the output is this rank's block of the input
+            assert buf.tolist() == [5, 6, 7, 8]
+
+
+# ------------------------------------------------------------------ real 2-rank runs
+def _tool(name: str) -> list[str]:
+    path = BIN / name
+    if path.exists():
+        return [str(path)]
+    return [sys.executable, "-m", {"ddlrun": "ddlrun", "ddl-perf": "ddl.perf.cli"}[name]]
+
+
+def _outside_a_job() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                        "MASTER_ADDR", "MASTER_PORT", "DDL_JOB_ID", "DDL_OPTIONS")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def _run(argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=_outside_a_job())
+
+
+def _ddlrun(*args: str) -> subprocess.CompletedProcess:
+    return _run([*_tool("ddlrun"), "-n", "2", "--no-tag-output", "--timeout", "150",
+                 *_tool("ddl-perf"), *args])
+
+
+SMALL = ["-b", "8", "-e", "64K", "-f", "4", "-c", "1", "-n", "5", "-w", "1"]
+SWEEP = [8, 32, 128, 512, 2048, 8192, 32768]
+
+
+def _table(proc: subprocess.CompletedProcess) -> list[list[str]]:
+    """The rows of an nccl-tests table, after checking its frame."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum(ln.startswith("# ddl-perf ") for ln in lines) == 1
+    assert NCCL_HEADER[1] in lines and NCCL_HEADER[2] in lines
+    assert sum(ln.startswith("#  Rank ") for ln in lines) == 2  # one device line per rank
+    assert "# Out of bounds values : 0 OK" in lines
+    assert any(ln.startswith("# Avg bus bandwidth    : ") for ln in lines)
+    return [ln.split() for ln in lines if ln and not ln.startswith("#")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,redop,root", [
+    ("allreduce", "sum", "-1"), ("allgather", "none", "-1"), ("broadcast", "none", "0"),
+    ("reduce_scatter", "sum", "-1"), ("alltoall", "none", "-1")])
+def test_every_collective_runs_through_ddlrun(name, redop, root):
+    rows = _table(_ddlrun(name, *SMALL))
+    # size is the whole buffer; count is per rank where nccl-tests says so (2 ranks)
+    per_rank = name in ("allgather", "reduce_scatter", "alltoall")
+    assert [int(r[0]) for r in rows] == SWEEP
+    assert [int(r[1]) for r in rows] == [s // 4 // (2 if per_rank else 1) for s in SWEEP]
+    for r in rows:
+        assert len(r) == 13 and r[2:5] == ["float", redop, root]
+        assert r[8] == "0" and r[12] == "0"  # #wrong, out of place and in place
+        assert float(r[5]) > 0 and float(r[9]) > 0  # times in us
+
+
+@pytest.mark.slow
+def test_json_twin_holds_the_same_rows(tmp_path):
+    path = tmp_path / "ar.json"
+    proc = _ddlrun("allreduce", *SMALL, "-d", "half", "-o", "max", "--json", str(path))
+    rows = _table(proc)
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 2 and doc["collective"] == "allreduce"
+    assert doc["config"]["nranks"] == 2 and doc["config"]["datatype"] == "half"
+    assert [r["size"] for r in doc["results"]] == [int(r[0]) for r in rows]
+    for r, line in zip(doc["results"], rows):
+        assert (r["engine"], r["type"], r["redop"]) == ("ddl", "half", "max")
+        assert r["out_of_place"]["nwrong"] == 0 and r["in_place"]["nwrong"] == 0
+        assert f"{r['in_place']['bus_bw']:6.2f}".strip() == line[11]
+    assert doc["out_of_bounds"] == {"count": 0, "okay": True}
+
+
+@pytest.mark.slow
+def test_compare_puts_the_peers_in_one_table():
+    pytest.importorskip("torch")
+    proc = _ddlrun("allreduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+                   "--compare", "ddl-heap,gloo")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    head = next(ln for ln in lines if ln.startswith("#       size"))
+    assert "ddl-heap us" in head and "gloo GB/s" in head and "gloo/ddl-heap" in head
+    rows = [ln.split() for ln in lines if ln and not ln.startswith("#")]
+    assert [(int(r[0]), r[5]) for r in rows] == [(1024, "out"), (1024, "in"), (4096, "out"),
+                                                 (4096, "in")]
+    assert all(r[10] == "0" and r[11].endswith("x") for r in rows)
+    assert "# Avg bus bandwidth    : " in proc.stdout and "(gloo)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_outside_a_job_ranks_starts_one_ddlrun_job_per_count():
+    proc = _run([*_tool("ddl-perf"), "broadcast", "--ranks", "2", "-b", "64", "-e", "1K",
+                 "-f", "16", "-n", "2", "-w", "1", "-r", "1"])
+    rows = _table(proc)
+    assert proc.stdout.startswith("# ddlrun -n 2 ddl-perf broadcast ")
+    assert [(int(r[0]), r[4], r[8], r[12]) for r in rows] == [(64, "1", "0", "0"),
+                                                               (1024, "1", "0", "0")]
+
+
+def test_unrunnable_requests_exit_non_zero_with_the_reason():
+    proc = _run([*_tool("ddl-perf"), "allreduce", "-b", "8", "-e", "8", "-d", "int32",
+                 "-o", "avg"], timeout=60)
+    assert proc.returncode == 2 and "ddl refuses avg on int32" in proc.stderr
+    proc = _run([*_tool("ddl-perf"), "allreduce", "-b", "8Q"], timeout=60)
+    assert proc.returncode == 2 and "invalid size '8Q'" in proc.stderr
