@@ -25,33 +25,13 @@ from . import negotiate as ng
 from .arrays import NumpyOps, ops_for
 from .compression import Compressor, NoneCompressor
 from .negotiate import Call, Planned, code_of, submit
+from .process_sets import ProcessSet, global_process_set, scope
 
 
 # ------------------------------------------------------------------- arguments
-class ProcessSet:
-    """Horovod's process sets. Only the global one (every rank) exists in ddl today."""
-
-    def __init__(self, ranks: Sequence[int] | None = None) -> None:
-        self.ranks = list(ranks) if ranks is not None else None
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
-
-
-global_process_set = ProcessSet()
-
-
-def check_process_set(process_set: Any) -> None:
-    if process_set is None or process_set is global_process_set:
-        return
-    if isinstance(process_set, ProcessSet) and (
-        process_set.ranks is None or sorted(process_set.ranks) == list(range(ddl.size()))
-    ):
-        return
-    raise NotImplementedError(
-        "ddl: process sets other than the global one are not supported; use "
-        "torch.distributed.new_group on the 'ddl' backend for sub-groups (PyTorch)"
-    )
+def check_process_set(process_set: Any) -> ng._State:
+    """The process set's protocol state (see :mod:`ddl.hvd.process_sets`)."""
+    return scope(process_set)
 
 
 def resolve_op(average: bool | None, op: Any) -> ddl.ReduceOp:
@@ -67,24 +47,31 @@ def resolve_op(average: bool | None, op: Any) -> ddl.ReduceOp:
     return parse_op(op)
 
 
-def check_root(root_rank: Any) -> int:
+def check_root(root_rank: Any, st: ng._State | None = None) -> tuple[int, int]:
+    """``root_rank`` (a job rank, as in Horovod) and its rank in the process set."""
     root = operator.index(root_rank)
     if not 0 <= root < ddl.size():
         raise ddl.DDLConfigError(f"root_rank {root} is outside 0..{ddl.size() - 1}")
-    return root
+    if st is None or st.group is None:
+        return root, root
+    if root not in st.group.ranks:
+        raise ddl.DDLConfigError(
+            f"root_rank {root} is not in process set {st.set_id} (ranks "
+            f"{list(st.group.ranks)})")
+    return root, st.group.ranks.index(root)
 
 
 def _no_r(step: Callable[[], Any]) -> Callable[[np.ndarray], Any]:
     return lambda r: step()
 
 
-def reduction(rop: ddl.ReduceOp, t: Any, post: float) -> tuple[ddl.ReduceOp, float]:
+def reduction(rop: ddl.ReduceOp, t: Any, post: float, size: int) -> tuple[ddl.ReduceOp, float]:
     """The op the engine runs and the postscale applied after it. Horovod averages by
     summing and multiplying by ``postscale / size`` (in float64): for an integer tensor that
     is exactly what happens here, so the result truncates toward zero as in Horovod."""
     engine_op = ng.engine_op(rop, code_of(t))
     if engine_op is not rop:
-        return engine_op, post / ddl.size()
+        return engine_op, post / size
     return rop, post
 
 
@@ -106,18 +93,20 @@ def allreduce(tensor: Any, *, average: bool | None = None, name: str | None = No
     like the core's: no hand-off to the worker thread."""
     fw = ops_for(tensor)
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         rop = resolve_op(average, op)
         pre, post = float(prescale), float(postscale)
         sent, ctx = compression.compress(tensor)
         if pre != 1.0:
             sent = fw.scaled(sent, pre)
-        engine_op, scale = reduction(rop, sent, post)
+        engine_op, scale = reduction(rop, sent, post, st.size)
         # In place whenever the tensor sent is ours to overwrite: the caller's own for the
         # in-place spellings, or a temporary made by compression or prescaling. Out of place
         # would allocate a fresh result (page faults on every call for large tensors).
-        data = _api.plan_allreduce(sent, engine_op, None, inplace or sent is not tensor)
+        data = _api.plan_allreduce(sent, engine_op, None, inplace or sent is not tensor,
+                                   st.group)
         call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
                     name=name)
 
@@ -133,7 +122,8 @@ def allreduce(tensor: Any, *, average: bool | None = None, name: str | None = No
 
         return Planned(call, _no_r(data), finish)
 
-    return submit(ng.ALLREDUCE, name, plan, async_=async_, label=name or "allreduce")
+    return submit(ng.ALLREDUCE, name, plan, async_=async_, label=name or "allreduce",
+                  scope=st)
 
 
 def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,
@@ -165,8 +155,9 @@ def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,
     """One call, whose descriptor covers every member: one fused allreduce per (dtype,
     device), all in the same queued work (Horovod's grouped_allreduce fuses too)."""
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         rop = resolve_op(average, op)
         pre, post = float(prescale), float(postscale)
         ts = list(tensors)
@@ -181,18 +172,20 @@ def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,
         parts: list[tuple[list[int], Any, Callable[[], Any], float]] = []
         with fw.no_grad():
             for idx in ng.buckets(rows):
-                engine_op, scale = reduction(rop, sent[idx[0]][0], post)
+                engine_op, scale = reduction(rop, sent[idx[0]][0], post, st.size)
                 if direct and rows[idx[0], 1] == 0:
                     # Host tensors reduced where they live, as one fused collective: nothing
                     # is packed
                     group = [ts[i] for i in idx]
-                    parts.append((idx, None, _api.plan_allreduce_into(group, None, engine_op),
+                    parts.append((idx, None,
+                                  _api.plan_allreduce_into(group, None, engine_op, st.group),
                                   scale))
                     continue
                 flat = fw.flat_cat([sent[i][0] for i in idx])
                 if pre != 1.0:
                     fw.scale_(flat, pre)
-                parts.append((idx, flat, _api.plan_allreduce(flat, engine_op, None, True),
+                parts.append((idx, flat,
+                              _api.plan_allreduce(flat, engine_op, None, True, st.group),
                               scale))
 
         def finish(_: Any) -> list[Any]:
@@ -222,7 +215,7 @@ def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,
         return Planned(call, lambda r: [step() for _, _, step, _ in parts], finish)
 
     return submit(ng.GROUPED_ALLREDUCE, name, plan, async_=async_,
-                  label=name or "grouped_allreduce")
+                  label=name or "grouped_allreduce", scope=st)
 
 
 # ------------------------------------------------------------------- allgather
@@ -236,37 +229,40 @@ def allgather(tensor: Any, *, name: str | None = None, process_set: Any = None,
     tensor counts as one row, as in Horovod."""
     fw = ops_for(tensor)
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         t = _at_least_1d(fw, tensor)
-        data = _api.plan_allgather(t)
+        data = _api.plan_allgather(t, st.group)
         return Planned(Call(ng.ALLGATHER, code=code_of(t), shape=tuple(t.shape), name=name),
                        _no_r(data))
 
-    return submit(ng.ALLGATHER, name, plan, async_=async_, label=name or "allgather")
+    return submit(ng.ALLGATHER, name, plan, async_=async_, label=name or "allgather",
+                  scope=st)
 
 
 def grouped_allgather(tensors: Sequence[Any], *, name: str | None = None,
                       process_set: Any = None, async_: bool = False) -> Any:
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         fw = _ops_of(list(tensors))
         ts = [_at_least_1d(fw, t) for t in tensors]
-        steps = [_api.plan_allgather(t) for t in ts]
+        steps = [_api.plan_allgather(t, st.group) for t in ts]
         call = Call(ng.GROUPED_ALLGATHER, name=name, count=len(ts),
                     ndim=max((fw.ndim(t) for t in ts), default=0),
                     layout=_members(fw, ts, True))
         return Planned(call, lambda r: [step() for step in steps])
 
     return submit(ng.GROUPED_ALLGATHER, name, plan, async_=async_,
-                  label=name or "grouped_allgather")
+                  label=name or "grouped_allgather", scope=st)
 
 
 def row_offsets(dims: Sequence[int], process_set: Any = None) -> list[tuple[int, int]]:
     """Where this rank's rows of each gathered tensor start, and how many there are: one
     allgather of this rank's first dimensions, as Horovod's allgather gradients do."""
     table = allgather(np.asarray([list(dims)], dtype=np.int64), process_set=process_set)
-    me = ddl.rank()
+    me = scope(process_set).rank
     before = table[:me].sum(axis=0).tolist() if me else [0] * len(dims)
     return [(int(b), int(d)) for b, d in zip(before, dims)]
 
@@ -274,35 +270,38 @@ def row_offsets(dims: Sequence[int], process_set: Any = None) -> list[tuple[int,
 # ------------------------------------------------------------------- broadcast
 def broadcast(tensor: Any, root_rank: int, *, name: str | None = None, inplace: bool = False,
               process_set: Any = None, async_: bool = False) -> Any:
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
-        root = check_root(root_rank)
-        data = _api.plan_broadcast(tensor, root, inplace)
+        root, local = check_root(root_rank, st)
+        data = _api.plan_broadcast(tensor, local, inplace, st.group)
         call = Call(ng.BROADCAST, code=code_of(tensor), shape=tuple(tensor.shape), arg=root,
                     name=name)
         return Planned(call, _no_r(data))
 
     return submit(ng.BROADCAST, name, plan, async_=async_,
-                  label=name or ("broadcast_" if inplace else "broadcast"))
+                  label=name or ("broadcast_" if inplace else "broadcast"), scope=st)
 
 
 def broadcast_group_(tensors: Callable[[], Sequence[Any]], root_rank: int,
-                     name: str | None = None, what: str = "broadcast_parameters") -> None:
+                     name: str | None = None, what: str = "broadcast_parameters",
+                     process_set: Any = None) -> None:
     """``broadcast`` in place of every tensor ``tensors()`` gives, as one call. The tensors
     are collected inside the call's plan, so a failure there is agreed too."""
+    st = scope(process_set)
 
     def plan() -> Planned:
-        root = check_root(root_rank)
+        root, local = check_root(root_rank, st)
         ts = list(tensors())
         fw = _ops_of(ts)
-        steps = [_api.plan_broadcast(t, root, True) for t in ts]
+        steps = [_api.plan_broadcast(t, local, True, st.group) for t in ts]
         call = Call(ng.GROUPED_BROADCAST, arg=root, name=name, count=len(ts),
                     numel=sum(fw.numel(t) for t in ts),
                     ndim=max((fw.ndim(t) for t in ts), default=0),
                     layout=_members(fw, ts, False))
         return Planned(call, lambda r: [step() for step in steps])
 
-    submit(ng.GROUPED_BROADCAST, name, plan, async_=False, label=name or what)
+    submit(ng.GROUPED_BROADCAST, name, plan, async_=False, label=name or what, scope=st)
 
 
 # ------------------------------------------------------------------- alltoall
@@ -347,25 +346,27 @@ def alltoall(tensor: Any, splits: Any = None, *, name: str | None = None,
     ``with_splits``, how many came from each rank), as Horovod's alltoall."""
     fw = ops_for(tensor)
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         s = None if splits is None else fw.rows(splits)
         nd = fw.ndim(tensor)
         rows = tensor.shape[0] if nd else 1
         row = int(np.prod(tuple(tensor.shape[1:]), dtype=np.int64)) if nd else 1
-        send = alltoall_splits(rows, s)
-        table = _api.plan_allgather(np.asarray([send], dtype=np.int64))
-        data = _api.plan_allgather(fw.reshape(tensor, (rows, row)))
+        send = alltoall_splits(rows, s, st.size)
+        table = _api.plan_allgather(np.asarray([send], dtype=np.int64), st.group)
+        data = _api.plan_allgather(fw.reshape(tensor, (rows, row)), st.group)
         tail = tuple(tensor.shape[1:])
 
         def finish(got: tuple[np.ndarray, Any]) -> Any:
-            out, received = alltoall_receive(got[0], got[1], tail)
+            out, received = alltoall_receive(got[0], got[1], tail, st.rank)
             return out if splits is None and not with_splits else (out, received)
 
         call = Call(ng.ALLTOALL, code=code_of(tensor), shape=tuple(tensor.shape), name=name)
         return Planned(call, lambda r: (table(), data()), finish)
 
-    return submit(ng.ALLTOALL, name, plan, async_=async_, label=name or "alltoall")
+    return submit(ng.ALLTOALL, name, plan, async_=async_, label=name or "alltoall",
+                  scope=st)
 
 
 # -------------------------------------------------------------- reducescatter
@@ -378,8 +379,9 @@ def reducescatter(tensors: Sequence[Any], *, op: Any = None, name: str | None = 
     One tensor is a REDUCE_SCATTER call, a group one GROUPED_REDUCE_SCATTER call."""
     kind = ng.GROUPED_REDUCE_SCATTER if grouped else ng.REDUCE_SCATTER
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         rop = resolve_op(None, op)
         pre, post = float(prescale), float(postscale)
         fw = _ops_of(list(tensors))
@@ -389,8 +391,8 @@ def reducescatter(tensors: Sequence[Any], *, op: Any = None, name: str | None = 
             if pre != 1.0:
                 s = fw.scaled(s, pre)
                 sent[i] = (s, sent[i][1])
-            engine_op, scale = reduction(rop, s, post)
-            steps.append(_api.plan_reduce_scatter(s, engine_op))
+            engine_op, scale = reduction(rop, s, post, st.size)
+            steps.append(_api.plan_reduce_scatter(s, engine_op, st.group))
             scales.append(scale)
         if grouped:
             ss = [s for s, _ in sent]
@@ -412,16 +414,18 @@ def reducescatter(tensors: Sequence[Any], *, op: Any = None, name: str | None = 
 
         return Planned(call, lambda r: [step() for step in steps], finish)
 
-    return submit(kind, name, plan, async_=async_, label=name or ng.NAMES[kind])
+    return submit(kind, name, plan, async_=async_, label=name or ng.NAMES[kind],
+                  scope=st)
 
 
 # --------------------------------------------------------------- barrier, objects
 def barrier(process_set: Any = None) -> None:
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         return Planned(Call(ng.BARRIER), lambda r: None)
 
-    submit(ng.BARRIER, None, plan, async_=False, label="barrier")
+    submit(ng.BARRIER, None, plan, async_=False, label="barrier", scope=st)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
@@ -429,15 +433,16 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """``root_rank``'s ``obj`` on every rank (pickled by ``pickler.dumps``/``loads``): one
     call, whose exchange also carries the root's payload length."""
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
-        root = check_root(root_rank)
+        root, local = check_root(root_rank, st)
         payload = pickler.dumps(obj) if ddl.rank() == root else None
 
         def data(r: np.ndarray) -> np.ndarray:
             buf = (payload if payload is not None
                    else np.empty(int(r[ng.PAYLOAD]), dtype=np.uint8))
-            _api.plan_broadcast(buf, root, True)()
+            _api.plan_broadcast(buf, local, True, st.group)()
             return buf
 
         def finish(buf: np.ndarray) -> Any:
@@ -447,20 +452,22 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                        payload=0 if payload is None else payload.size)
 
     return submit(ng.BROADCAST_OBJECT, name, plan, async_=False,
-                  label=name or "broadcast_object")
+                  label=name or "broadcast_object", scope=st)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, *,
                      pickler: Any = NumpyOps) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
 
+    st = scope(process_set)
+
     def plan() -> Planned:
-        check_process_set(process_set)
         payload = pickler.dumps(obj)
 
         def data(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            lengths = _api.plan_allgather(np.asarray([payload.size], dtype=np.int64))()
-            return lengths, _api.plan_allgather(payload)()
+            sizes = np.asarray([payload.size], dtype=np.int64)
+            lengths = _api.plan_allgather(sizes, st.group)()
+            return lengths, _api.plan_allgather(payload, st.group)()
 
         def finish(got: tuple[np.ndarray, np.ndarray]) -> list[Any]:
             out, off = [], 0
@@ -472,7 +479,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None,
         return Planned(Call(ng.ALLGATHER_OBJECT, name=name), data, finish)
 
     return submit(ng.ALLGATHER_OBJECT, name, plan, async_=False,
-                  label=name or "allgather_object")
+                  label=name or "allgather_object", scope=st)
 
 
 def shutdown_exchange() -> None:
@@ -483,7 +490,7 @@ def shutdown_exchange() -> None:
 
 
 __all__ = [
-    "ProcessSet", "allgather", "allgather_object", "allreduce", "alltoall",
+    "ProcessSet", "scope", "allgather", "allgather_object", "allreduce", "alltoall",
     "alltoall_receive", "alltoall_splits", "barrier", "broadcast", "broadcast_group_",
     "broadcast_object", "check_process_set", "check_root", "global_process_set",
     "grouped_allgather", "grouped_allreduce", "reducescatter", "reduction", "resolve_op",

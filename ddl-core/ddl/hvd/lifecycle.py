@@ -11,12 +11,14 @@ from typing import Any
 import ddl
 
 from . import negotiate as ng
+from . import process_sets as _sets
 from .collectives import shutdown_exchange
 
 
 def init(comm: Any = None, process_sets: Any = None, *, who: str = "ddl") -> None:
-    """Join the job (``ddl.init()``). Horovod's ``comm`` (an MPI communicator) and
-    ``process_sets`` are accepted only when they mean "every rank".
+    """Join the job (``ddl.init()``). ``process_sets``: ProcessSets (or rank lists) to
+    register now, as Horovod's (every rank passes the same list), or ``"dynamic"``.
+    Horovod's ``comm`` (an MPI communicator) is not accepted.
 
     Calling it again is a no-op, as in Horovod, unless this generation is unusable (a peer
     shut down, died or timed out): then it starts a new one, which is how a rank whose peer
@@ -25,14 +27,15 @@ def init(comm: Any = None, process_sets: Any = None, *, who: str = "ddl") -> Non
     if comm is not None:
         raise NotImplementedError(f"{who}.init: comm= is not supported; ddl.init() reads "
                                   "the launch environment (ddlrun, torchrun, mpirun, srun)")
-    if process_sets:
-        raise NotImplementedError(f"{who}.init: process_sets are not supported")
     if ddl.is_initialized():
         if ng.broken() is None:
+            _sets.init_sets(process_sets)
             return
         ddl.shutdown()  # no collective step: the peers are gone or have moved on
     ng.reset()
+    _sets.reset()
     ddl.init()
+    _sets.init_sets(process_sets)
 
 
 def shutdown() -> None:
@@ -52,6 +55,7 @@ def shutdown() -> None:
             ddl.shutdown()
         finally:
             ng.reset()
+            _sets.reset()
 
 
 def _transport() -> str:

@@ -67,7 +67,7 @@ _INT64 = _dtypes.BY_NAME["int64"]
 # kinds
 (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, BARRIER, BROADCAST_OBJECT,
  ALLGATHER_OBJECT, PLAN, GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST,
- SHUTDOWN, GROUPED_REDUCE_SCATTER) = range(1, 15)
+ SHUTDOWN, GROUPED_REDUCE_SCATTER, ADD_PROCESS_SET, REMOVE_PROCESS_SET) = range(1, 17)
 NAMES = {
     ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
     REDUCE_SCATTER: "reduce_scatter", ALLTOALL: "alltoall", BARRIER: "barrier",
@@ -75,6 +75,7 @@ NAMES = {
     PLAN: "DistributedOptimizer plan broadcast", GROUPED_ALLREDUCE: "grouped_allreduce",
     GROUPED_ALLGATHER: "grouped_allgather", GROUPED_BROADCAST: "broadcast_parameters",
     SHUTDOWN: "shutdown", GROUPED_REDUCE_SCATTER: "grouped_reducescatter",
+    ADD_PROCESS_SET: "add_process_set", REMOVE_PROCESS_SET: "remove_process_set",
 }
 REDUCING = (ALLREDUCE, REDUCE_SCATTER, GROUPED_ALLREDUCE, GROUPED_REDUCE_SCATTER)
 ROOTED = (BROADCAST, BROADCAST_OBJECT, GROUPED_BROADCAST)
@@ -91,9 +92,13 @@ _JOINED_NOTE = "hvd.join() (finished, serving the others)"
 
 
 class _State:
-    """This process's side of the protocol, for one ``init()`` generation."""
+    """This process's side of the protocol in one process set (the global one, or a set of
+    ``hvd.add_process_set``, whose calls run on its own ``ddl.Group``), for one ``init()``
+    generation. Each set has its own sequence of calls, as each has its own queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None, set_id: int = 0) -> None:
+        self.group = group  # the ddl.Group of a process set; None: the whole job
+        self.set_id = set_id
         self.calls = 0  # Horovod-level calls issued here, each one exchange
         self.skew = 0  # added to ``calls`` on the wire: what re-synchronising moves
         self.count = 0  # control exchanges done, joined ones included: a job position
@@ -103,9 +108,34 @@ class _State:
         self.broken: BaseException | None = None  # the engine failed or a peer shut down
         self.lock = threading.Lock()
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in the set."""
+        return ddl.rank() if self.group is None else self.group.rank
+
+    @property
+    def size(self) -> int:
+        return ddl.size() if self.group is None else self.group.size
+
+    def global_rank(self, i: int) -> int:
+        """The job rank of the set's rank ``i``."""
+        return i if self.group is None else self.group.ranks[i]
+
+    def engine(self) -> Any:
+        return _api.job_engine() if self.group is None else self.group.engine
+
 
 _state = _State()
 _name_words: dict[str, int] = {}
+_tls = threading.local()  # the set whose queued call this thread is running
+
+
+def _st() -> _State:
+    return getattr(_tls, "st", None) or _state
+
+
+def global_state() -> _State:
+    return _state
 
 
 def reset() -> None:
@@ -272,10 +302,11 @@ def _template(call: Call, failed: bool) -> np.ndarray:
     """This running rank's descriptor of ``call`` before its sequence number and payload
     are filled in (cached: callers copy it)."""
     key = (call, failed)
-    d = _state.templates.get(key)
+    st = _st()
+    d = st.templates.get(key)
     if d is not None:
         return d
-    rank = ddl.rank()
+    rank = st.rank
     kind = call.kind
     words = [0] * _AGREED
     words[KIND], words[OP], words[ARG] = kind, int(call.op), int(call.arg)
@@ -295,11 +326,13 @@ def _template(call: Call, failed: bool) -> np.ndarray:
         words[DIMS:DIMS + len(dims)] = dims
         if kind not in GATHERING:
             words[NUMEL] = int(np.prod(call.shape, dtype=np.int64))
-    info = [1 if kind in ROOTED and call.arg == rank else 0, 0, -rank, dim0, int(failed), 0]
+    # roots are job ranks, as in Horovod (also for a process set)
+    root_here = kind in ROOTED and call.arg == st.global_rank(rank)
+    info = [int(root_here), 0, -rank, dim0, int(failed), 0]
     d = np.array(words + [-w for w in words] + info, dtype=np.int64)
-    if len(_state.templates) > 4096:
-        _state.templates.clear()
-    _state.templates[key] = d
+    if len(st.templates) > 4096:
+        st.templates.clear()
+    st.templates[key] = d
     return d
 
 
@@ -324,7 +357,7 @@ def _engine(fn: Callable, *args: Any) -> Any:
     except (ddl.DDLMismatchError, ddl.DDLConfigError):
         raise  # the engine is still in step
     except ddl.DDLError as exc:
-        _state.broken = exc
+        _st().broken = exc
         raise
 
 
@@ -332,11 +365,12 @@ def exchange(d: np.ndarray) -> np.ndarray:
     """The control allreduce, in place on ``d`` (a fresh descriptor). Runs on the thread
     that runs the queued work. It goes straight to the job's engine: the descriptor is a
     small host array of one dtype, so none of the core's planning applies to it."""
-    engine = _api.job_engine()
+    st = _st()
+    engine = st.engine()
     if engine is None:
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
     _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
-    _state.count += 1
+    st.count += 1
     return d
 
 
@@ -359,8 +393,9 @@ def diagnose(mine: np.ndarray, note: str) -> tuple[np.ndarray, list[str]]:
     """Every rank's descriptor and the line describing its call (the error path only)."""
     text = note.encode("utf-8", "replace")[:1500] or b"?"
     row = np.append(mine, len(text)).reshape(1, _LEN + 1)
-    rows = _engine(_api.plan_allgather(row))
-    data = _engine(_api.plan_allgather(np.frombuffer(text, dtype=np.uint8).copy()))
+    group = _st().group
+    rows = _engine(_api.plan_allgather(row, group))
+    data = _engine(_api.plan_allgather(np.frombuffer(text, dtype=np.uint8).copy(), group))
     notes, at = [], 0
     for n in rows[:, _LEN].tolist():
         notes.append(bytes(data[at:at + n]).decode("utf-8", "replace"))
@@ -373,7 +408,7 @@ def share_layout(r: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     layout, which the joined ranks serve from (``rows`` None on a joined rank)."""
     buf = (np.zeros((int(r[COUNT]), _MEMBER), dtype=np.int64) if rows is None
            else rows.copy())
-    _engine(_api.plan_broadcast(buf, int(-r[LOWEST]), True))
+    _engine(_api.plan_broadcast(buf, int(-r[LOWEST]), True, _st().group))
     return buf
 
 
@@ -389,7 +424,8 @@ def _negotiate(call: Call, seq: int, payload: int, failed: BaseException | None
                ) -> np.ndarray | None:
     """A running rank's control step. Returns the exchange's result; raises the agreed
     error, or returns None after the error path when ``failed`` (the caller raises it)."""
-    word = seq + _state.skew
+    st = _st()
+    word = seq + st.skew
     r = exchange(_mine(call, failed is not None, word, payload))  # a fresh copy
     if not problem(r):
         if r[JOINED] == 1 and call.kind in GROUPED:
@@ -400,18 +436,22 @@ def _negotiate(call: Call, seq: int, payload: int, failed: BaseException | None
     if r[SEQ] != -r[SEQ + _AGREED]:
         # Ranks are at different points of their sequences (a call that never reached the
         # exchange somewhere): all adopt the largest, so the next calls line up again.
-        _state.skew += int(r[SEQ]) - word
-    me = ddl.rank()
+        st.skew += int(r[SEQ]) - word
+    me = st.rank
     if any(int(row[KIND]) == SHUTDOWN for i, row in enumerate(rows) if i != me) and (
             call.kind != SHUTDOWN):
-        _state.broken = ddl.DDLPeerError(f"rank {me}: a peer called hvd.shutdown()")
+        st.broken = ddl.DDLPeerError(f"rank {ddl.rank()}: a peer called hvd.shutdown()")
     if failed is not None:
         return None
     raise error(rows, notes, r)
 
 
 def _ranks(rs: Sequence[int]) -> str:
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
+    """Job ranks, from the positions ``rs`` in the current set."""
+    st = _st()
+    rs = [st.global_rank(i) for i in rs]
+    where = "" if st.group is None else f" of process set {st.set_id}"
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs)) + where
 
 
 def error(rows: np.ndarray, notes: list[str], r: np.ndarray) -> ddl.DDLError:
@@ -479,12 +519,12 @@ class Handle:
     decompression, copies); ``poll()`` says whether it is ready. The one handle type of the
     Horovod-level calls, of every framework (``Handle.ready`` wraps a finished result)."""
 
-    __slots__ = ("_inner", "_finish", "_seq", "_done", "_value", "name")
+    __slots__ = ("_inner", "_finish", "_seq", "_done", "_value", "name", "_st")
 
     def __init__(self, inner: Any, seq: int, finish: Callable[[Any], Any] | None = None,
-                 name: str = "") -> None:
+                 name: str = "", st: _State | None = None) -> None:
         self._inner, self._seq, self._finish, self.name = inner, seq, finish, name
-        self._done, self._value = False, None
+        self._done, self._value, self._st = False, None, st
 
     @classmethod
     def ready(cls, value: Any, name: str = "") -> Handle:
@@ -505,12 +545,12 @@ class Handle:
             except ddl.DDLTimeoutError:
                 if timeout is not None and not self._inner.poll():
                     raise  # still pending: the sequence has not moved past it
-                observe(self._seq)
+                observe(self._seq, self._st)
                 raise
             except BaseException:
-                observe(self._seq)
+                observe(self._seq, self._st)
                 raise
-            observe(self._seq)
+            observe(self._seq, self._st)
             self._value = self._finish(value) if self._finish else value
             self._done = True
         return self._value
@@ -519,27 +559,29 @@ class Handle:
         return f"<ddl.hvd.Handle {self.name or '?'} {'done' if self.poll() else 'pending'}>"
 
 
-def next_seq() -> int:
-    with _state.lock:
-        seq = _state.calls
-        _state.calls += 1
+def next_seq(st: _State | None = None) -> int:
+    st = st or _state
+    with st.lock:
+        seq = st.calls
+        st.calls += 1
     return seq
 
 
-def observe(seq: int) -> None:
+def observe(seq: int, st: _State | None = None) -> None:
     """The program has waited for call ``seq`` (so for every earlier one too: queued work
     finishes in order). Names are freed by this, not by the work finishing, which depends on
     timing and would differ between ranks."""
-    if seq > _state.observed:
-        _state.observed = seq
+    st = st or _state
+    if seq > st.observed:
+        st.observed = seq
 
 
-def _check_name(name: str, kind: int) -> None:
+def _check_name(name: str, kind: int, st: _State) -> None:
     fn = NAMES.get(kind, "collective")
     if not isinstance(name, str):
         raise ddl.DDLConfigError(f"hvd.{fn}: name must be a str, got {name!r}")
-    held = _state.names.get(name)
-    if held is not None and held[0] > _state.observed:
+    held = st.names.get(name)
+    if held is not None and held[0] > st.observed:
         raise ddl.DDLConfigError(
             f"hvd.{fn}: Duplicate name {name!r}: an operation with this name is still in "
             f"flight (hvd.{NAMES.get(held[1], '?')}, call #{held[0]}, not yet synchronized). "
@@ -548,19 +590,28 @@ def _check_name(name: str, kind: int) -> None:
         )
 
 
-def _claim(name: str, seq: int, kind: int) -> None:
-    names = _state.names
+def _claim(name: str, seq: int, kind: int, st: _State) -> None:
+    names = st.names
     if len(names) > 4096:
-        observed = _state.observed
+        observed = st.observed
         for k in [k for k, (s, _) in names.items() if s <= observed]:
             del names[k]
     names[name] = (seq, kind)
 
 
-def _job(p: Planned, seq: int, failure: BaseException | None = None) -> Callable[[], Any]:
+def _job(p: Planned, seq: int, st: _State, failure: BaseException | None = None
+         ) -> Callable[[], Any]:
     call, data, before, payload = p.call, p.data, p.before, p.payload
 
     def job():
+        outer = getattr(_tls, "st", None)
+        _tls.st = st  # the exchange and the error path run in the call's process set
+        try:
+            return run()
+        finally:
+            _tls.st = outer
+
+    def run():
         failed = failure
         if before is not None and failed is None:
             try:
@@ -582,53 +633,58 @@ def _job(p: Planned, seq: int, failure: BaseException | None = None) -> Callable
 
 
 def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: bool,
-           label: str) -> Any:
-    """Plan a call and queue it with its control step. ``plan`` runs here, on the caller's
-    thread, and whatever it raises still takes part in the exchange (marked FAILED) before
-    it propagates. Returns a :class:`Handle` when ``async_``, else the finished result."""
+           label: str, scope: _State | None = None) -> Any:
+    """Plan a call and queue it with its control step, in process set ``scope`` (the
+    global one by default). ``plan`` runs here, on the caller's thread, and whatever it
+    raises still takes part in the exchange (marked FAILED) before it propagates. Returns a
+    :class:`Handle` when ``async_``, else the finished result."""
     if not ddl.is_initialized():
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
-    seq = next_seq()
+    st = scope or _state
+    seq = next_seq(st)
     try:
         if name is not None:
-            _check_name(name, kind)
+            _check_name(name, kind, st)
         p = plan()
     except Exception as exc:
         _fail(Call(kind, name=name if isinstance(name, str) else None, known=False), seq, exc,
-              async_, label)
+              async_, label, st)
         raise
     if name is not None:
-        _claim(name, seq, kind)
-    job = _job(p, seq)
+        _claim(name, seq, kind, st)
+    job = _job(p, seq, st)
     if async_:
-        return Handle(_api.dispatch(job, label, True), seq, p.finish, label)
+        return Handle(_api.dispatch(job, label, True, st.group), seq, p.finish, label, st)
     try:
-        out = _api.dispatch(job, label, False)
+        out = _api.dispatch(job, label, False, st.group)
     finally:
-        observe(seq)
+        observe(seq, st)
     return p.finish(out) if p.finish is not None else out
 
 
-def fail_here(kind: int, exc: BaseException, label: str, *, async_: bool) -> None:
+def fail_here(kind: int, exc: BaseException, label: str, *, async_: bool,
+              scope: _State | None = None) -> None:
     """A call of ``kind`` failed here before it could be planned (``exc``): it takes part
     in the exchange all the same, so the other ranks' call raises too. The caller raises."""
     if ddl.is_initialized():
-        _fail(Call(kind, known=False), next_seq(), exc, async_, label)
+        st = scope or _state
+        _fail(Call(kind, known=False), next_seq(st), exc, async_, label, st)
 
 
-def _fail(call: Call, seq: int, exc: BaseException, async_: bool, label: str) -> None:
+def _fail(call: Call, seq: int, exc: BaseException, async_: bool, label: str,
+          st: _State) -> None:
     """Take part in the exchange for a call that failed here; blocking calls wait for it, so
     every rank raises at the same point. Raises nothing."""
     if not ddl.is_initialized():
         return
-    job = _job(Planned(call, lambda r: None), seq, failure=exc)
+    job = _job(Planned(call, lambda r: None), seq, st, failure=exc)
     try:
-        _api.dispatch(job, label, async_)
+        _api.dispatch(job, label, async_, st.group)
     except Exception:  # noqa: BLE001, S110 - the caller raises ``exc``
         pass
     finally:
         if not async_:
-            observe(seq)
+            observe(seq, st)
 
 
 def resync_after_join(next_seqs: Sequence[int]) -> None:

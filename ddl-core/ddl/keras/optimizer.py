@@ -16,8 +16,8 @@ from typing import Any
 import keras
 
 import ddl
-from ddl.hvd.collectives import ProcessSet, check_process_set, global_process_set
 from ddl.hvd.compression import Compression, Compressor
+from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
 
 _CLASSES: dict[type, type] = {}
 _BACKENDS = ("tensorflow", "torch")
@@ -51,7 +51,8 @@ def _reduce_torch(grads: list[Any], args: dict) -> list[Any]:
     at = [i for i, g in enumerate(grads) if g is not None]
     pre, post, op = 1.0, 1.0, args["op"]
     if args["predivide"] != 1.0:
-        pre, post, op = 1.0 / args["predivide"], args["predivide"] / ddl.size(), ddl.Sum
+        n = scope(args["process_set"]).size
+        pre, post, op = 1.0 / args["predivide"], args["predivide"] / n, ddl.Sum
     reduced = hvd_torch.grouped_allreduce([grads[i] for i in at], op=op,
                                           compression=args["compression"],
                                           prescale_factor=pre, postscale_factor=post,
@@ -95,7 +96,7 @@ def is_distributed(optimizer: Any) -> bool:
 def _args(compression: type[Compressor], sparse_as_dense: bool, op: Any,
           gradient_predivide_factor: float, backward_passes_per_step: int,
           average_aggregated_gradients: bool, process_set: Any) -> dict:
-    check_process_set(process_set)
+    scope(process_set)  # this rank must be in it
     if op not in (ddl.Average, ddl.Sum):
         raise ddl.DDLConfigError(f"DistributedOptimizer: op must be Average or Sum, not {op}")
     if gradient_predivide_factor != 1.0 and op is not ddl.Average:

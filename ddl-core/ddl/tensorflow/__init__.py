@@ -39,7 +39,6 @@ from ddl import (
     size,
 )
 from ddl.hvd import lifecycle as _lifecycle
-from ddl.hvd.collectives import ProcessSet, global_process_set
 from ddl.hvd.lifecycle import (
     ccl_built,
     cuda_built,
@@ -53,6 +52,12 @@ from ddl.hvd.lifecycle import (
     nccl_built,
     rocm_built,
     shutdown,
+)
+from ddl.hvd.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
 )
 
 from .compression import Compression, Compressor
@@ -106,7 +111,8 @@ def stop_timeline() -> None:
 __all__ = [
     "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
     "DDLPeerError", "DDLTimeoutError", "DistributedGradientTape", "DistributedOptimizer",
-    "Max", "Min", "ProcessSet", "Product", "Sum", "allgather", "allgather_object",
+    "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
+    "allgather_object", "remove_process_set",
     "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
     "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built",
     "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",

@@ -8,8 +8,8 @@ from typing import Any
 import tensorflow as tf
 
 import ddl
-from ddl.hvd.collectives import ProcessSet, check_process_set, global_process_set
 from ddl.hvd.compression import Compressor
+from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
 
 from .compression import Compression
 from .mpi_ops import grouped_allreduce
@@ -35,7 +35,7 @@ def reduce_gradients(grads: list[Any], *, compression: type[Compressor] = Compre
         if op is not ddl.Average:
             raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average")
         pre, post, rop = 1.0 / gradient_predivide_factor, gradient_predivide_factor, ddl.Sum
-        post /= ddl.size()
+        post /= scope(process_set).size
     reduced = grouped_allreduce(todo, compression=compression, op=rop, prescale_factor=pre,
                                 postscale_factor=post, process_set=process_set)
     out = list(grads)
@@ -73,7 +73,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
     Every gradient travels in one grouped call (fused per dtype), so ``num_groups`` and
     ``groups`` are accepted and change nothing; ``device_*`` are accepted for
     compatibility."""
-    check_process_set(process_set)
+    scope(process_set)  # this rank must be in it
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__),
                {})
     tape = cls.__new__(cls)

@@ -23,9 +23,9 @@ import tensorflow as tf
 import ddl
 from ddl.hvd import collectives as C
 from ddl.hvd import negotiate as ng
-from ddl.hvd.collectives import ProcessSet, global_process_set
 from ddl.hvd.compression import Compressor
 from ddl.hvd.join import join as _join
+from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
 
 from .compression import Compression
 
@@ -125,7 +125,7 @@ def _sparse_allreduce(s: tf.IndexedSlices, average: bool | None, op: Any, name: 
     indices = allgather(s.indices, name=None if name is None else name + ".indices",
                         process_set=process_set)
     if rop is ddl.Average:
-        values = values / tf.cast(ddl.size(), values.dtype)
+        values = values / tf.cast(scope(process_set).size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
@@ -176,7 +176,7 @@ def _row_start(d0: tf.Tensor, process_set: Any) -> tuple[tf.Tensor, tf.Tensor]:
     """This rank's first row in a gathered tensor and its row count (one allgather of
     the first dimensions, as Horovod's gradient does)."""
     dims = allgather(tf.reshape(tf.cast(d0, tf.int64), [1]), process_set=process_set)
-    return tf.reduce_sum(dims[:ddl.rank()]), tf.cast(d0, tf.int64)
+    return tf.reduce_sum(dims[:scope(process_set).rank]), tf.cast(d0, tf.int64)
 
 
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
@@ -273,11 +273,11 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
     """Assign every variable ``root_rank``'s value, as one call (ranks whose variables
     differ in count, dtype or shape raise on every rank). Returns the assign op inside a
     ``tf.function``, None when eager."""
-    C.check_process_set(process_set)
     vs = list(variables)
     if tf.executing_eagerly():
         values = [np.array(v.numpy(), copy=True) for v in vs]
-        C.broadcast_group_(lambda: values, root_rank, what="broadcast_variables")
+        C.broadcast_group_(lambda: values, root_rank, what="broadcast_variables",
+                           process_set=process_set)
         for v, a in zip(vs, values):
             v.assign(a)
         return None
@@ -286,7 +286,8 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
 
     def step(*arrays: np.ndarray) -> list[np.ndarray]:
         out = [np.array(a, copy=True) for a in arrays]
-        C.broadcast_group_(lambda: out, root_rank, what="broadcast_variables")
+        C.broadcast_group_(lambda: out, root_rank, what="broadcast_variables",
+                           process_set=process_set)
         return out
 
     outs = _run(step, [v.read_value() for v in vs], [v.dtype for v in vs],
@@ -320,7 +321,7 @@ def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any
 
         y, received = _run(step, [t, sp], [t.dtype, tf.int32], name or "alltoall")
         y.set_shape(_shape_rows(t))
-        received.set_shape([ddl.size()])
+        received.set_shape([scope(process_set).size])
 
         def grad(dy: tf.Tensor, _unused: Any = None) -> tf.Tensor:
             back, _ = _alltoall(_fill([dy], [y])[0], received, None, process_set)
@@ -347,7 +348,8 @@ def _reducescatter(xs: list[tf.Tensor], op: Any, pre: float, post: float,
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             # Horovod's _reducescatter_grad: the allgather of the gradient, times size()
             # for Sum, times the scale factors.
-            factor = pre * post * (ddl.size() if C.resolve_op(None, op) is ddl.Sum else 1)
+            n = scope(process_set).size
+            factor = pre * post * (n if C.resolve_op(None, op) is ddl.Sum else 1)
             gathered = grouped_allgather(_fill(dys, ys), process_set=process_set)
             return [g * tf.cast(factor, g.dtype) if factor != 1.0 else g for g in gathered]
 

@@ -93,6 +93,7 @@ from .mpi_ops import (
     reduce_scatter_async,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     synchronize,
 )
 from .optimizer import DistributedOptimizer
@@ -140,6 +141,7 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_homogeneous",
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reduce_scatter",
-    "reduce_scatter_async", "reducescatter", "reducescatter_async", "register", "rocm_built",
+    "reduce_scatter_async", "reducescatter", "reducescatter_async", "register",
+    "remove_process_set", "rocm_built",
     "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]

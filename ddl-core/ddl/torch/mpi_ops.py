@@ -16,18 +16,17 @@ import torch
 import ddl
 from ddl.hvd import collectives as C
 from ddl.hvd.arrays import TorchOps
-from ddl.hvd.collectives import (  # noqa: F401 - horovod.torch.mpi_ops has these names
-    ProcessSet,
-    global_process_set,
-    submit_allreduce,
-)
+from ddl.hvd.collectives import submit_allreduce  # noqa: F401 - horovod.torch.mpi_ops name
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.join import join as _join
 from ddl.hvd.negotiate import Handle
-
-
-def add_process_set(process_set: Any) -> ProcessSet:
-    raise NotImplementedError("ddl.torch: add_process_set is not supported (global set only)")
+from ddl.hvd.process_sets import (  # noqa: F401 - horovod.torch.mpi_ops has these names
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+    scope,
+)
 
 
 def synchronize(handle: Any) -> Any:
@@ -378,7 +377,7 @@ class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, process_set, scale, grouped = ctx.args
-        factor = scale * (ddl.size() if C.resolve_op(None, op) is ddl.Sum else 1)
+        factor = scale * (scope(process_set).size if C.resolve_op(None, op) is ddl.Sum else 1)
         gathered = _grouped_allgather([g.contiguous() for g in grads], None, process_set,
                                       False)
         if factor != 1.0:

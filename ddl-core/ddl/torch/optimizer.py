@@ -129,7 +129,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
     ) -> None:
-        check_process_set(process_set)
+        if check_process_set(process_set).group is not None:
+            raise NotImplementedError(
+                "ddl.torch.DistributedOptimizer: process_set must be the global one (its "
+                "buckets and join run over every rank); reduce a sub-set's gradients with "
+                "hvd.grouped_allreduce(..., process_set=...) instead")
         if not ddl.is_initialized():
             raise ddl.DDLError("call hvd.init() (ddl.torch.init()) before DistributedOptimizer")
         if backward_passes_per_step < 1:

@@ -206,6 +206,28 @@ check("join/last", last, N - 1)
 want_total = [float(sum(1 for r in range(N) if 2 + r > i)) for i in range(steps)]
 check("join/sums", total, want_total)
 
+# Process sets: even ranks and odd ranks, inside tf.function too.
+even_set = hvd.add_process_set([r for r in range(N) if r % 2 == 0])
+odd_set = hvd.add_process_set([r for r in range(N) if r % 2 == 1]) if N > 1 else None
+mine = even_set if R % 2 == 0 else odd_set
+members = [r for r in range(N) if r % 2 == R % 2]
+
+
+@tf.function
+def in_set(t):
+    return hvd.allreduce(t, op=hvd.Sum, process_set=mine), hvd.allgather(
+        t, process_set=mine)
+
+
+s_sum, s_gather = in_set(tf.constant([float(R)]))
+check("process_set/allreduce", s_sum.numpy(), np.array([float(sum(members))], np.float32))
+check("process_set/allgather", s_gather.numpy(), np.array(members, np.float32))
+check("process_set/global", hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(),
+      np.array([float(N)], np.float32))
+if odd_set is not None:
+    hvd.remove_process_set(odd_set)
+hvd.remove_process_set(even_set)
+
 failed = [(n, d) for n, ok, d in checks if not ok]
 print(json.dumps({"rank": R, "size": N, "checks": [n for n, _, _ in checks],
                   "failed": failed}))
