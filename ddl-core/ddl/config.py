@@ -8,6 +8,7 @@ docs/tuning.md list them from here).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -202,6 +203,17 @@ _VARS += [
 ]
 
 
+def _tasks_per_node(text: str) -> tuple[int, ...]:
+    """Slurm's ``2(x3),1`` -> (2, 2, 2, 1)."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"expected counts like '2(x3),1', got {part!r}")
+        out += [int(m[1])] * int(m[2] or 1)
+    return tuple(out)
+
+
 def _manager(name: str, doc: str) -> EnvVar:
     return EnvVar(name, str, None, f"set by the process manager: {doc}")
 
@@ -226,7 +238,12 @@ _VARS += [
     _manager("SLURM_NTASKS", "Slurm's task count (WORLD_SIZE)"),
     _manager("SLURM_LOCALID", "Slurm's task rank on this node (LOCAL_RANK)"),
     _manager("SLURM_JOB_ID", "Slurm's job id (with SLURM_STEP_ID, derives the job id)"),
-    _manager("SLURM_STEP_ID", "Slurm's step id (with SLURM_JOB_ID, derives the job id)"),
+    _manager("SLURM_STEP_ID", "Slurm's step id (with SLURM_JOB_ID, derives the job id; "
+             "Slurm's variables are read only inside a step)"),
+    _manager("SLURM_NODEID", "Slurm's index of this node in the step (GROUP_RANK)"),
+    EnvVar("SLURM_STEP_TASKS_PER_NODE", _tasks_per_node, None,
+           "set by the process manager: Slurm's tasks on each node of the step, e.g. "
+           "'2(x3),1' (with SLURM_NODEID, LOCAL_WORLD_SIZE)"),
 ]
 
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}

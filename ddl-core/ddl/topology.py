@@ -31,21 +31,44 @@ class World:
 
 
 _MPI_VARS = {  # what process managers set (registered in config), for jobs without ddlrun
-    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"),
-    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"),
-    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"),
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
     "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
 }
 
 
+def _slurm_vars(env: Mapping[str, str]) -> dict[str, str]:
+    """A task that srun started (plain ``srun``, or ``--mpi=pmix``/``pmi2``): its layout from
+    Slurm's step variables. Only inside a step (SLURM_STEP_ID): a batch script's own shell
+    has SLURM_PROCID=0 and the job's SLURM_NTASKS but is one process, not rank 0 of them.
+    Open MPI's variables win where mpirun started the ranks (its daemons run as a step), and
+    a RANK of the torchrun contract means someone else (ddlrun, torchrun) gave the layout."""
+    if (config.get("SLURM_STEP_ID", env) is None or env.get("RANK")
+            or config.get("OMPI_COMM_WORLD_RANK", env)):
+        return {}
+    out = {"RANK": config.get("SLURM_PROCID", env), "WORLD_SIZE": config.get("SLURM_NTASKS", env),
+           "LOCAL_RANK": config.get("SLURM_LOCALID", env),
+           "GROUP_RANK": config.get("SLURM_NODEID", env)}
+    counts = config.get("SLURM_STEP_TASKS_PER_NODE", env)
+    node = out["GROUP_RANK"]
+    if counts and node is not None and node.isdigit() and int(node) < len(counts):
+        out["LOCAL_WORLD_SIZE"] = str(counts[int(node)])
+    return {k: v for k, v in out.items() if v}
+
+
 def _with_mpi_fallbacks(env: Mapping[str, str]) -> dict[str, str]:
     out = dict(env)
+    slurm = _slurm_vars(env)
     for ours, theirs in _MPI_VARS.items():
         if not out.get(ours):
             for name in theirs:
                 if value := config.get(name, env):
                     out[ours] = value
                     break
+    for ours, value in slurm.items():
+        if not out.get(ours):
+            out[ours] = value
     return out
 
 

@@ -76,7 +76,9 @@ STUCK_ASK = 1.0  # seconds to ask the hosts which ranks are stopped
 
 
 def _failed(ev: Event) -> bool:
-    return not isinstance(ev, RankExit) or ev.code != 0
+    """Stopped ranks, lost hosts and non-zero exits; a launcher (mpirun, srun) that exits 0
+    ended the job well."""
+    return not isinstance(ev, (RankExit, JobExit)) or ev.code != 0
 
 
 def _code(ev: Event) -> int:

@@ -97,6 +97,7 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 register()
 
@@ -143,5 +144,5 @@ __all__ = [
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reduce_scatter",
     "reduce_scatter_async", "reducescatter", "reducescatter_async", "register",
     "remove_process_set", "rocm_built",
-    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize", "SyncBatchNorm",
 ]

@@ -38,13 +38,21 @@ class SingleLauncherBackend(Backend):
         env["DDLRUN_HOST_GPUS"] = ";".join(h.gpus.encode() for h in plan.hosts)
         return env
 
+    def watch(self, stream: str, text: str, sink: OutputSink) -> None:
+        """Sees every line of the launcher's output before it is passed on."""
+
+    def job_code(self, code: int) -> int:
+        """The job's exit code, from the launcher's."""
+        return code
+
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
         self.plan = plan
 
         def on_exit(ex: Exit) -> None:
-            emit(JobExit(ex.code, ex.time))
+            emit(JobExit(self.job_code(ex.code), ex.time))
 
         def on_line(key: int, stream: str, text: str) -> None:
+            self.watch(stream, text, sink)
             sink.raw(stream, text)  # the launcher tags ranks itself (see get_cmd)
 
         self.procs = ProcessSet(on_line, on_exit)
