@@ -17,7 +17,8 @@ failed, ran = [], []
 def close(name, got, want, tol=1e-9):
     ran.append(name)
     if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol):
-        failed.append(f"{name}: max diff {(got - want).abs().max().item() if got.shape == want.shape else got.shape}")
+        diff = (got - want).abs().max().item() if got.shape == want.shape else got.shape
+        failed.append(f"{name}: max diff {diff}")
 
 
 for shape_tail, label in (((), "2d"), ((3, 2), "4d")):
