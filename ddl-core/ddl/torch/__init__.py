@@ -94,6 +94,7 @@ from .mpi_ops import (
     reducescatter,
     reducescatter_async,
     remove_process_set,
+    sparse_allreduce_async,
     synchronize,
 )
 from .optimizer import DistributedOptimizer
@@ -143,6 +144,6 @@ __all__ = [
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reduce_scatter",
     "reduce_scatter_async", "reducescatter", "reducescatter_async", "register",
-    "remove_process_set", "rocm_built",
+    "remove_process_set", "rocm_built", "sparse_allreduce_async",
     "shutdown", "size", "start_timeline", "stop_timeline", "synchronize", "SyncBatchNorm",
 ]

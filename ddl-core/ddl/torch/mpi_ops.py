@@ -30,7 +30,10 @@ from ddl.hvd.process_sets import (  # noqa: F401 - horovod.torch.mpi_ops has the
 
 
 def synchronize(handle: Any) -> Any:
-    """Wait for an ``*_async`` call and return its output."""
+    """Wait for an ``*_async`` call and return its output (a Horovod-style callable
+    handle, as ``sparse_allreduce_async`` returns, is called)."""
+    if callable(handle) and not hasattr(handle, "wait"):
+        return handle()
     return handle.wait()
 
 
@@ -173,6 +176,52 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: Any = None) -> Handle:
     return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
                     Compression.none, True, process_set, True)
+
+
+# ------------------------------------------------------------ sparse allreduce
+class _SparseHandle:
+    """``sparse_allreduce_async``'s handle: ``wait()``, ``poll()``, or call it (Horovod
+    returns a function that ``synchronize`` calls)."""
+
+    def __init__(self, inner: Handle, like: torch.Tensor, average_over: int) -> None:
+        self._inner, self._like, self._n = inner, like, average_over
+
+    def poll(self) -> bool:
+        return self._inner.poll()
+
+    def wait(self) -> torch.Tensor:
+        indices, values = self._inner.wait()
+        if self._n:
+            values = values / self._n
+        t = self._like
+        return torch.sparse_coo_tensor(indices.t(), values, t.size()).coalesce()
+
+    __call__ = wait
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = None,
+                           process_set: Any = global_process_set) -> _SparseHandle:
+    """Horovod's: a sparse COO tensor reduced over ranks as the allgather of its indices
+    and values (one grouped call), summed (``op=Sum``) or averaged (the default) when the
+    result is coalesced. ``hvd.synchronize(handle)`` returns the sparse result."""
+    try:
+        rop = C.resolve_op(None, op)
+        if rop not in (ddl.Sum, ddl.Average):
+            raise ddl.DDLConfigError(f"sparse_allreduce_async: op must be Sum or Average, "
+                                     f"not {rop.name}")
+        if not tensor.is_sparse:
+            raise ddl.DDLConfigError("sparse_allreduce_async needs a sparse COO tensor")
+    except Exception as exc:
+        from ddl.hvd import negotiate as ng
+
+        ng.fail_here(ng.GROUPED_ALLGATHER, exc, name or "sparse_allreduce",
+                     async_=False, scope=scope(process_set))
+        raise
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    inner = C.grouped_allgather([t.indices().t().contiguous(), t.values().contiguous()],
+                                name=name, process_set=process_set, async_=True)
+    n = scope(process_set).size if rop is ddl.Average else 0
+    return _SparseHandle(inner, t, n)
 
 
 # ------------------------------------------------------------------- allgather
