@@ -1,19 +1,19 @@
-"""Run a worker script as N local ranks and check what they report."""
+"""Run a worker script of tests/core/workers as N local ranks and check what they report
+(the runner and the report reader are tests/procs.py's)."""
 
 from __future__ import annotations
 
-import json
 import os
 
-from ddl.perf.spawn import RankResult, run_local
+from procs import RankResult, reports, run_workers  # noqa: F401 - reports is re-exported
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 
 
 def run_worker(name: str, n: int, *args: str, env: dict | None = None, timeout: float = 240,
                per_rank_env=None) -> list[RankResult]:
-    return run_local(n, [os.path.join(WORKERS, name), *args], env=env, timeout=timeout,
-                     per_rank_env=per_rank_env)
+    return run_workers(os.path.join(WORKERS, name), n, *args, env=env, timeout=timeout,
+                       per_rank_env=per_rank_env)
 
 
 def hosts_env(n: int, per: int, **extra: str) -> list[dict]:
@@ -21,16 +21,3 @@ def hosts_env(n: int, per: int, **extra: str) -> list[dict]:
     ddl plans (and runs) dimensions across "hosts" on one machine."""
     return [dict(LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per), DDL_HOST_INDEX=str(r // per),
                  GROUP_RANK=str(r // per), **extra) for r in range(n)]
-
-
-def reports(results: list[RankResult]) -> list[dict]:
-    """The last JSON line each rank printed; fails with every rank's stderr otherwise."""
-    out = []
-    for r in results:
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        if r.returncode != 0 or not lines:
-            detail = "\n".join(f"--- rank {x.rank} exit {x.returncode}\n{x.stdout[-2000:]}\n"
-                               f"{x.stderr[-4000:]}" for x in results)
-            raise AssertionError(f"rank {r.rank} failed:\n{detail}")
-        out.append(json.loads(lines[-1]))
-    return out

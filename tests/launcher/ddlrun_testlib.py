@@ -4,18 +4,16 @@ uniquely named module, not conftest, so it cannot collide with tests/conftest.py
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from procs import PY, ddlrun_argv, run_ddlrun  # noqa: F401 - the one way to run ddlrun
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "scripts" / "worker.py")
 REPO = HERE.parent.parent
-PY = sys.executable
 
 
 def procs_with(marker: str) -> list[int]:
@@ -45,15 +43,6 @@ def wait_gone(marker: str, timeout: float = 5.0) -> list[int]:
 
 def shm_left(job_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"ddl-{job_id}-")]
-
-
-def ddlrun_argv(*args: str) -> list[str]:
-    return [PY, "-m", "ddlrun", *args]
-
-
-def run_ddlrun(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(ddlrun_argv(*args), capture_output=True, text=True, timeout=timeout,
-                          **kw)
 
 
 @pytest.fixture

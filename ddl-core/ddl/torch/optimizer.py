@@ -129,6 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
     ) -> None:
+        # Argument errors first, as Horovod raises them (ValueError) before anything else
+        named = _named(optimizer, named_parameters)
         if check_process_set(process_set).group is not None:
             raise NotImplementedError(
                 "ddl.torch.DistributedOptimizer: process_set must be the global one (its "
@@ -161,7 +163,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            else int(fusion_threshold_bytes))
         self._cycle_s = (_default_cycle_ms() if cycle_time_ms is None
                          else float(cycle_time_ms)) / 1000.0
-        named = _named(optimizer, named_parameters)
         self._names = [n for n, p in named if p.requires_grad]
         self._params = [p for _, p in named if p.requires_grad]  # frozen ones never sync
         self._index = {id(p): i for i, p in enumerate(self._params)}
