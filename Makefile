@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[torch,mpi,tensorflow,examples,dev]'
+	$(BIN)/python -m pip install -q -e '.[torch,mpi,tensorflow,examples,perf,clients,dev]'
 	@touch $@
 
 install: $(STAMP)
