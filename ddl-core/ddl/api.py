@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, grid, identity, options, tensors
+from . import config, grid, identity, options, tensors, timeline
 from .devices import DeviceRouter
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError
@@ -53,6 +53,7 @@ def init() -> None:
         options.check_grid(opts, world.size)
         if opts.dbg_level or opts.dump_iter:
             _show_diagnostics()
+        timeline.start_from_env(world.rank, config.get("DDL_TIMELINE"))
         world, rdzv = _identify(world)
         try:
             engine = _make_engine(world, opts, rdzv)
@@ -158,7 +159,7 @@ def _make_engine(world: World, opts: options.Options, rdzv: Any = None):
         return ShmEngine(job_id=world.job_id, host_index=world.host_index,
                          local_rank=world.local_rank, local_size=world.local_size,
                          global_rank=world.rank, timeout=config.get("DDL_TIMEOUT"),
-                         **_shm_kwargs())
+                         dump_iter=opts.dump_iter, **_shm_kwargs())
     from .engines.multihost import MultiHostEngine
 
     port = _port()
@@ -212,6 +213,7 @@ def shutdown() -> None:
                         if _rdzv is not None:
                             _rdzv.close()
                         _world, _engine, _runtime, _devices, _rdzv = None, None, None, None, None
+                        timeline.flush()
 
 
 atexit.register(shutdown)

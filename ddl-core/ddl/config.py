@@ -175,6 +175,15 @@ _VARS = [
         "(testing the device path without a GPU)",
     ),
     EnvVar(
+        "DDL_TIMELINE",
+        str,
+        None,
+        "record a Chrome/Perfetto trace of ddl's collectives from ddl.init(): one file per "
+        "rank, PATH.json -> PATH.rank0.json, ... ('{rank}' in the path is replaced instead; "
+        "written, mode 0600, at stop_timeline, ddl.shutdown() and exit); see "
+        "docs/performance.md",
+    ),
+    EnvVar(
         "DDL_CHUNK_BYTES",
         _size,
         8 << 20,

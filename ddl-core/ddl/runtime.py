@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import timeline as _tl
 from .errors import DDLError, DDLTimeoutError
 
 _log = logging.getLogger("ddl")
@@ -96,11 +97,15 @@ class Runtime:
         # ordering, and those are counted before submit() returns.
         if self._busy == 0:
             with self._engine_lock:
-                return fn()
+                if _tl.recorder is None and _tl.torch_profiler() is None:
+                    return fn()
+                return _tl.inline(fn, name)
         return self.submit(fn, name).wait()
 
     def submit(self, fn: Callable[[], Any], name: str = "") -> Handle:
         h = Handle(name)
+        if _tl.recorder is not None or _tl.torch_profiler() is not None:
+            fn = _tl.queued(fn, name, cycle=self._busy == 0)
         with self._cv:
             if self._closed:
                 raise DDLError("ddl was shut down; call ddl.init() again")

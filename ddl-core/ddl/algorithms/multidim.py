@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import timeline as _tl
 from ..dtypes import DType
 from ..errors import DDLTimeoutError
 from ..grid import even_split
@@ -101,7 +102,11 @@ class MultiDim:
     def _timed(self, k: int, fn: Callable, *args) -> None:
         t = time.perf_counter()
         fn(*args)
-        self._busy[k] += time.perf_counter() - t
+        t1 = time.perf_counter()
+        self._busy[k] += t1 - t
+        if _tl.recorder is not None:  # args[0]: the part of the buffer this phase moved
+            _tl.phase(f"dim{self.dims[k].index} {fn.__name__}", "phase", t, t1,
+                      {"bytes": int(args[0].nbytes)})
 
     def _pipeline(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
         k = len(self.dims)

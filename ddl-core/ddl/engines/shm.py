@@ -32,6 +32,7 @@ from __future__ import annotations
 import array
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import platform
@@ -42,6 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import identity
+from .. import timeline as _tl
 from ..dtypes import DType
 from ..errors import (
     DDLConfigError,
@@ -58,6 +60,7 @@ from ..tensors import Pieces
 from . import segments
 from .heap import Heap, PeerHeaps
 
+_log = logging.getLogger("ddl")
 _MAGIC = 0x4C44445F4D485344  # "DSHM_DDL"
 _LAYOUT = 2
 _HDR = 4096
@@ -234,7 +237,10 @@ class ShmEngine:
         fences: bool | None = None,
         scope: str = "",
         token: int | None = None,
+        dump_iter: int = 0,
     ):
+        """``dump_iter``: every this many allreduces, rank 0 logs their time (``-dump_iter``
+        of a job on one host; in a multi-host job the multi-dimensional engine does)."""
         if not 0 <= local_rank < local_size:
             raise DDLConfigError(f"local rank {local_rank} is outside 0..{local_size - 1}")
         self.job_id = segments.validate_job_id(job_id)
@@ -271,6 +277,9 @@ class ShmEngine:
         ]
         self._failed: BaseException | None = None
         self._seq = 0
+        self._dump_iter = dump_iter
+        self._calls = 0
+        self._wall = 0.0
         # scope tells apart the engines of one rank (one per grid line in a multi-host job)
         self._name = segments.segment_name(job_id, host_index, f"{scope}ctl")
         self._ctl_bytes = _HDR + n * _BLOCK
@@ -456,9 +465,13 @@ class ShmEngine:
         futex = self._futex
         q, flag = self._q, self._my + W_SLEEP
         k = 0
+        traced = _tl.clock() if _tl.recorder is not None else 0.0
         while True:
             v = load(word)
             if v >= seq:
+                if traced:
+                    _tl.phase("peer wait", "wait", traced, _tl.clock(),
+                              {"peer": self._peer_grank[peer], "step": seq, "in": what[0]})
                 return
             k += 1
             if futex is None or k <= yields:
@@ -601,11 +614,34 @@ class ShmEngine:
         ``src`` may be the ``Pieces`` of a fusion buffer that is never filled (reduced into
         ``dst`` or in place): each piece is staged from where it lives, which saves the
         packing pass over the data."""
+        if self._dump_iter:
+            self._allreduce_dumped(src, dst, dt, op, shape)
+            return
         if src.nbytes <= self.small_bytes:
             self._run(self._allreduce_small, src, dst, dt, op, shape)
         else:
             counts = even_split(src.size, self.size)
             self._run(self._reduce_scatter_steps, ALLREDUCE, src, dst, dt, op, shape, counts)
+
+    def _allreduce_dumped(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
+        """``allreduce`` timed: every ``dump_iter`` calls rank 0 logs the wall time per call,
+        as the multi-dimensional engine's ``-dump_iter`` line does per dimension."""
+        t0 = time.perf_counter()
+        small = src.nbytes <= self.small_bytes
+        if small:
+            self._run(self._allreduce_small, src, dst, dt, op, shape)
+        else:
+            counts = even_split(src.size, self.size)
+            self._run(self._reduce_scatter_steps, ALLREDUCE, src, dst, dt, op, shape, counts)
+        self._wall += time.perf_counter() - t0
+        self._calls += 1
+        if self._calls % self._dump_iter == 0:
+            if self.global_rank == 0:
+                alg = "one-step" if small else "reduce-scatter+allgather"
+                _log.info("[ddl] allreduce #%d (%d B): dim0 x%d shm/%s; wall %.2f ms per call",
+                          self._calls, src.nbytes, self.size, alg,
+                          1e3 * self._wall / self._dump_iter)
+            self._wall = 0.0
 
     def reduce_scatter(self, src: np.ndarray, dst: np.ndarray, dt: DType, op: ReduceOp,
                        shape: tuple[int, ...], counts: list[int]) -> None:

@@ -41,6 +41,7 @@ import ddl
 from ddl import api as _api
 from ddl import dtypes as _dtypes
 from ddl import tensors as _tensors
+from ddl import timeline as _tl
 
 # ----------------------------------------------------------------- descriptor layout
 KIND, OP, DTYPE, NUMEL, ARG, NDIM = range(6)
@@ -369,7 +370,12 @@ def exchange(d: np.ndarray) -> np.ndarray:
     engine = st.engine()
     if engine is None:
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
-    _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
+    if _tl.recorder is None and _tl.torch_profiler() is None:
+        _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
+    else:
+        with _tl.span("negotiate", "negotiate") as sp:
+            _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
+            sp.args = {"call": NAMES.get(int(d[KIND]), "joined"), "seq": int(d[SEQ])}
     st.count += 1
     return d
 

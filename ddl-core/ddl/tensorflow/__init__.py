@@ -38,6 +38,7 @@ from ddl import (
     rank,
     size,
 )
+from ddl import timeline as _timeline
 from ddl.hvd import lifecycle as _lifecycle
 from ddl.hvd.lifecycle import (
     ccl_built,
@@ -101,11 +102,15 @@ def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # n
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    raise NotImplementedError("ddl.tensorflow: the Horovod timeline is not supported")
+    """Record this rank's timeline (a Chrome/Perfetto trace) into ``file_path`` with
+    ``.rankN`` before its ``.json``; see :mod:`ddl.timeline`. ``mark_cycles`` adds an
+    instant event each time ddl's worker starts on queued work after idling."""
+    _timeline.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    raise NotImplementedError("ddl.tensorflow: the Horovod timeline is not supported")
+    """Stop recording and write the file."""
+    _timeline.stop_timeline()
 
 
 __all__ = [

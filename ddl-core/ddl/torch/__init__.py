@@ -40,6 +40,7 @@ from ddl import (
     rank,
     size,
 )
+from ddl import timeline as _timeline
 from ddl.hvd import lifecycle as _lifecycle
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.lifecycle import (
@@ -111,11 +112,15 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    raise NotImplementedError("ddl.torch: the Horovod timeline is not supported")
+    """Record this rank's timeline (a Chrome/Perfetto trace) into ``file_path`` with
+    ``.rankN`` before its ``.json``; see :mod:`ddl.timeline`. ``mark_cycles`` adds an
+    instant event each time ddl's worker starts on queued work after idling."""
+    _timeline.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    raise NotImplementedError("ddl.torch: the Horovod timeline is not supported")
+    """Stop recording and write the file."""
+    _timeline.stop_timeline()
 
 
 def __getattr__(name: str) -> Any:

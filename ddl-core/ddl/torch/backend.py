@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import ddl
 
+from .. import timeline as _tl
 from ..errors import DDLConfigError
 from . import collectives
 
@@ -123,6 +124,9 @@ def _make_work(what: str, finish: Callable[[], Any]) -> tuple[DDLWork, torch.fut
             raise
 
     work._future = trigger.then(run)
+    if _tl.recorder is not None or _tl.torch_profiler() is not None:
+        # a range from issue to completion, as gloo's and NCCL's Works have ("ddl:<op>")
+        work._future = _tl.async_range(what, work._future)
     return work, trigger
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import ddl
+from ddl import timeline as _tl
 from ddl.hvd import fusion
 from ddl.hvd.collectives import check_process_set, resolve_op, submit_allreduce
 from ddl.hvd.compression import Compression, Compressor, FP16Compressor, NoneCompressor
@@ -333,7 +334,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         buf = self._buffer(b)
         self._direct_mode[b] = "packed"
-        pack = functools.partial(self._pack, bucket, buf, grads)
+        pack = functools.partial(self._pack, b, bucket, buf, grads)
         if buf.device.type == "cpu":
             # Copied in on ddl's worker thread, as Horovod's background thread does: the
             # thread running backward only queues, and the copy runs right before the
@@ -413,8 +414,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return all(g.data_ptr() == base + off * isz and g.is_contiguous()
                    for off, g in zip(bucket.offsets, grads))
 
-    def _pack(self, bucket: fusion.Bucket, buf: torch.Tensor, grads: list) -> None:
-        with torch.no_grad():
+    def _pack(self, b: int, bucket: fusion.Bucket, buf: torch.Tensor, grads: list) -> None:
+        with _tl.span("pack", "fusion", {"bucket": b, "elements": bucket.numel}), \
+                torch.no_grad():
             for i, off, g in zip(bucket.members, bucket.offsets, grads):
                 dst = buf[off:off + self._numels[i]]
                 if self._fast:
@@ -430,7 +432,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._direct_mode[b] == "grads":
             return  # the sums are in p.grad already
         bucket, buf = self._plan[b], self._buffers[b]
-        with torch.no_grad():
+        with _tl.span("unpack", "fusion", {"bucket": b, "elements": bucket.numel}), \
+                torch.no_grad():
             if self._postscale != 1.0:
                 buf.mul_(self._postscale)
             for i, off in zip(bucket.members, bucket.offsets):
