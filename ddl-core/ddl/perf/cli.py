@@ -1,4 +1,5 @@
-"""``ddl-perf``: measure collectives (see docs/performance.md)."""
+"""``ddl-perf``: measure collectives (see docs/performance.md) and training throughput
+(train, scale, plot: docs/perf-tools.md)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,38 @@ def _add_collective(sub: argparse._SubParsersAction, name: str) -> None:
                    help="seconds a --ranks job may take (default 1800)")
 
 
+def _add_training(sub: argparse._SubParsersAction) -> None:
+    """train, scale, plot (docs/perf-tools.md)."""
+    from . import train
+
+    t = sub.add_parser("train", help="training throughput (images or tokens/s) and where "
+                                     "a step's time goes",
+                       description="Synthetic or --data training throughput of a standard "
+                                   "model through ddl or a peer; inside a job every rank "
+                                   "trains and rank 0 prints (docs/perf-tools.md).")
+    train.add_train_arguments(t)
+    s = sub.add_parser("scale", help="train at 1, 2, 4, ... ranks: throughput and scaling "
+                                     "efficiency",
+                       description="One ddlrun job of `ddl-perf train` per --ranks count; "
+                                   "efficiency = throughput_N / (N x throughput_1).")
+    s.add_argument("--ranks", type=_ranks, default=[1, 2], metavar="N,N",
+                   help="rank counts, one ddlrun job each (default 1,2)")
+    s.add_argument("--json", metavar="PATH", help="also write the points as JSON")
+    s.add_argument("--plot", metavar="FILE.png", help="also draw throughput vs ranks, with "
+                                                      "the ideal line (matplotlib)")
+    s.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds one job may take (default 1800)")
+    train.add_train_arguments(s, json_flag=False)
+    pl = sub.add_parser("plot", help="draw allreduce --json (busbw vs size) and scale "
+                                     "--json (throughput vs ranks) results",
+                        description="Each file's kind is read from it: ddl-perf allreduce "
+                                    "& co --json, or ddl-perf scale --json.")
+    pl.add_argument("results", nargs="+", metavar="RESULTS.json")
+    pl.add_argument("-o", "--output", required=True, metavar="OUT.png|OUT.svg")
+    pl.add_argument("--in-place", action="store_true",
+                    help="collectives: plot the in-place busbw (default: out of place)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddl-perf", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -101,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per dimension: name,alpha seconds,bytes/s (';'-separated); "
                          "default: shared memory, then 100 Gb/s links")
     sm.add_argument("--chunks", type=int, default=16, help="pipeline chunks")
+    _add_training(sub)
     e = sub.add_parser("env", help="list the environment variables ddl reads")
     e.add_argument("--markdown", action="store_true", help="as the table in docs/tuning.md")
     return p
@@ -270,6 +304,18 @@ def main(argv: list[str] | None = None) -> int:
         return _collective(args, p)
     if args.cmd == "simulate":
         return _simulate(args)
+    if args.cmd == "train":
+        from .train import train_main
+
+        return train_main(args)
+    if args.cmd == "scale":
+        from .scale import scale_main
+
+        return scale_main(args)
+    if args.cmd == "plot":
+        from .plot import plot_main
+
+        return plot_main(args)
     if args.markdown:
         print("| variable | default | meaning |\n|---|---|---|")
         for name, default, doc in config.describe():

@@ -1,4 +1,39 @@
-"""ddl-perf train: the same model trained side by side, in one job, with
+"""Training throughput, two tools.
+
+``ddl-perf train`` (``train()`` below): images or tokens per second of a standard model
+(``models.py``: ResNet-50, a GPT-2-shaped transformer) on synthetic data or the user's own
+(``--data DIR``), through ddl or a peer, on every rank of a job or alone::
+
+    ddlrun -n 4 ddl-perf train --model resnet50 --batch 32 --via optimizer --precision amp
+    ddl-perf train --model gpt2 --layers 2 --width 256 --seq-len 128 --via ddp
+    ddlrun -n 2 ddl-perf train --model resnet50 --data ~/imagenet-sample --num-workers 4
+
+``--via``: ``optimizer`` (ddl.torch.DistributedOptimizer), ``ddp`` (DistributedDataParallel
+on the ``ddl`` backend), ``ddp-gloo``, ``ddp-nccl`` (torch's own backends). Every rank
+times each step and its parts; rank 0 prints one row per rank and the job's total, and
+``--json`` writes the same as a document ``ddl-perf scale`` and ``ddl-perf plot`` read.
+
+How each share of a step is measured (``HOW``, printed with the table):
+
+- step: wall time of one training step, from asking for the batch to the optimizer's
+  update done (CUDA synchronized), median over the timed steps;
+- input: the part of it spent getting the batch (the DataLoader's ``next()``) and copying
+  it to the device; synthetic data is one batch made once, so this is ~0;
+- compute: the same step on the same model with the gradient exchange switched off
+  (``DDP.no_sync()``, ``DistributedOptimizer.skip_synchronize()``), input excluded, timed
+  in rounds interleaved with the real steps so both see the same machine;
+- exposed communication: step - input - compute (communication hidden behind backward
+  costs nothing here); with ``--via optimizer`` also the wait itself, the time in
+  ``synchronize()`` after backward.
+
+``python -m ddl.perf.train`` (``main()`` below) is the older side-by-side comparison of
+one MLP under DDP on gloo, DDP on ddl, the DistributedOptimizer and Horovod (the tables in
+docs/performance.md)::
+
+    python -m ddl.perf.train --ranks 2 --steps 20 --rounds 3 [--json out.json]
+    python -m ddl.perf.train ... --horovod /path/to/horovod-venv   # + Horovod itself
+
+It trains the same model side by side, in one job, with
 
 - ``ddp-gloo``: DistributedDataParallel over torch's gloo,
 - ``ddp-ddl``:  DistributedDataParallel over the ``ddl`` backend,
@@ -16,9 +51,6 @@ reference, ``raw-ddl-fresh``, is one raw allreduce with the optimizer's op (Aver
 tensor made just before, as fresh gradients are; ``raw-ddl`` reuses one tensor, which
 partly stays in the last-level cache.
 
-    python -m ddl.perf.train --ranks 2 --steps 20 --rounds 3 [--json out.json]
-    python -m ddl.perf.train ... --horovod /path/to/horovod-venv   # + Horovod itself
-
 With ``--horovod VENV`` (a virtualenv with Horovod built for this torch, e.g. by
 benchmarks/build_horovod.sh), a second job started by that venv's ``horovodrun --gloo``
 trains the same model with ``horovod.torch.DistributedOptimizer`` right after the first;
@@ -31,12 +63,554 @@ medians over all timed steps. Run on CPU tensors (OMP_NUM_THREADS=1 per rank).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .models import MODELS, ModelSpec
+
+# ============================================================ ddl-perf train: throughput
+VIAS = {  # --via: how gradients are exchanged
+    "optimizer": "ddl.torch.DistributedOptimizer",
+    "ddp": "DistributedDataParallel on the ddl backend",
+    "ddp-gloo": "DistributedDataParallel on torch's gloo",
+    "ddp-nccl": "DistributedDataParallel on torch's nccl (CUDA)",
+}
+DDP_BACKEND = {"ddp": "ddl", "ddp-gloo": "gloo", "ddp-nccl": "nccl"}
+PRECISIONS = {
+    "fp32": "float32 weights and math",
+    "bf16": "bfloat16 weights, activations and gradients",
+    "amp": "float32 weights, bfloat16 autocast (torch.autocast) for the math",
+}
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+HOW = (
+    "step = median wall time of a training step (input + forward + backward + exchange + "
+    "update); input = the part spent in the DataLoader's next() and the copy to the "
+    "device; compute = the same step with the exchange switched off (DDP.no_sync / "
+    "DistributedOptimizer.skip_synchronize), input excluded, in interleaved rounds; "
+    "comm = step - input - compute (exposed communication); wait = time in "
+    "synchronize() after backward (--via optimizer only)"
+)
+
+# The flags of `ddl-perf train`, one table: the parser is built from it and `ddl-perf
+# scale` rebuilds a train command line from it (dest, flag, argparse keywords).
+TRAIN_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("model", "--model", dict(default="resnet50", choices=MODELS,
+                              help="resnet50 (images/s) or gpt2 (tokens/s)")),
+    ("batch", "--batch", dict(type=int, help="samples per rank per step (resnet50: 32, "
+                                             "gpt2: 8)")),
+    ("precision", "--precision", dict(default="fp32", choices=tuple(PRECISIONS),
+                                      help="fp32, bf16 (all bfloat16), amp (autocast "
+                                           "bfloat16 over float32 weights)")),
+    ("via", "--via", dict(default="optimizer", choices=tuple(VIAS),
+                          help="optimizer: ddl.torch.DistributedOptimizer; ddp: DDP on the "
+                               "ddl backend; ddp-gloo, ddp-nccl: DDP on torch's backends")),
+    ("device", "--device", dict(default="auto", choices=("auto", "cpu", "cuda"),
+                                help="auto: this rank's GPU (LOCAL_RANK) when CUDA is there")),
+    ("steps", "--steps", dict(type=int, default=20, help="timed steps per round (20)")),
+    ("warmup", "--warmup", dict(type=int, default=3,
+                                help="untimed steps before each round's timed ones (3)")),
+    ("rounds", "--rounds", dict(type=int, default=2,
+                                help="rounds of timed steps, then as many compute-only "
+                                     "ones (2)")),
+    ("data", "--data", dict(metavar="DIR", help="your data instead of synthetic: an image "
+                                                "folder (CLASS/*.jpg|png) or .npy files")),
+    ("num_workers", "--num-workers", dict(type=int, default=2,
+                                          help="DataLoader worker processes with --data (2)")),
+    ("width", "--width", dict(type=int, help="resnet50: stem width (64); gpt2: model "
+                                             "width (768)")),
+    ("layers", "--layers", dict(type=int, default=12, help="gpt2: blocks (12)")),
+    ("heads", "--heads", dict(type=int, default=12, help="gpt2: attention heads (12)")),
+    ("seq_len", "--seq-len", dict(type=int, default=1024, help="gpt2: tokens per sample "
+                                                               "(1024)")),
+    ("vocab", "--vocab", dict(type=int, default=50257, help="gpt2: vocabulary (50257)")),
+    ("image_size", "--image-size", dict(type=int, default=224,
+                                        help="resnet50: image side in pixels (224)")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelSpec
+    batch: int
+    precision: str = "fp32"
+    via: str = "optimizer"
+    device: str = "auto"
+    steps: int = 20
+    warmup: int = 3
+    rounds: int = 2
+    data: str | None = None
+    num_workers: int = 2
+    json_path: str | None = None
+
+
+def add_train_arguments(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    for dest, flag, kw in TRAIN_FLAGS:
+        p.add_argument(flag, dest=dest, **kw)
+    if json_flag:
+        p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The ``ddl-perf train`` flags of ``args`` that differ from their defaults (argv)."""
+    argv = []
+    for dest, flag, kw in TRAIN_FLAGS:
+        value = getattr(args, dest)
+        if value is not None and value != kw.get("default"):
+            argv += [flag, str(value)]
+    return argv
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The typed config, every check on the user's flags done here (ValueError)."""
+    spec = ModelSpec(name=args.model, width=args.width, layers=args.layers, heads=args.heads,
+                     seq_len=args.seq_len, vocab=args.vocab, image_size=args.image_size)
+    spec.validate()
+    batch = args.batch if args.batch is not None else (32 if args.model == "resnet50" else 8)
+    for flag, value, low in (("--batch", batch, 1), ("--steps", args.steps, 1),
+                             ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
+                             ("--num-workers", args.num_workers, 0)):
+        if value < low:
+            raise ValueError(f"{flag} {value}: must be >= {low}")
+    if args.via == "ddp-nccl" and args.device == "cpu":
+        raise ValueError("--via ddp-nccl needs CUDA tensors: drop --device cpu")
+    if args.data is not None and not os.path.isdir(args.data):
+        raise ValueError(f"--data {args.data}: not a directory")
+    return TrainConfig(model=spec, batch=batch, precision=args.precision, via=args.via,
+                       device=args.device, steps=args.steps, warmup=args.warmup,
+                       rounds=args.rounds, data=args.data, num_workers=args.num_workers,
+                       json_path=getattr(args, "json", None))
+
+
+# ------------------------------------------------------------------------ your data
+def image_library() -> str | None:
+    """The image decoder ``--data`` uses for JPEG/PNG (PIL), or None when not importable."""
+    try:
+        import PIL.Image  # noqa: F401
+    except ImportError:
+        return None
+    return "PIL"
+
+
+def scan_data(root: str | os.PathLike, spec: ModelSpec) -> tuple[list[tuple[Path, int]], str]:
+    """The samples under ``root`` as (file, class index) and what they are, in words.
+
+    Images: ``root/CLASS/*.jpg|jpeg|png`` (torchvision's ImageFolder layout; files at the
+    top count as one class), decoded with PIL. ``.npy``: one image per file (HxWxC or
+    CxHxW, uint8 0-255 or float) for resnet50, 1-D integer token arrays for gpt2 (cut in
+    windows of seq_len + 1). Classes are the sorted sub-folder names."""
+    root = Path(root)
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and p.suffix.lower() in (*IMAGE_SUFFIXES, ".npy"))
+    npy = [p for p in files if p.suffix == ".npy"]
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    if npy and images:
+        raise ValueError(f"--data {root}: both .npy files ({len(npy)}) and images "
+                         f"({len(images)}); keep one kind")
+    if not files:
+        raise ValueError(f"--data {root}: no .jpg, .jpeg, .png or .npy file under it")
+    if images and spec.name != "resnet50":
+        raise ValueError(f"--data {root}: images need --model resnet50 ({spec.name} "
+                         "reads .npy token arrays)")
+    if images and image_library() is None:
+        raise ValueError(f"--data {root}: reading JPEG/PNG needs PIL (pip install pillow); "
+                         "without it, give .npy arrays")
+    classes = sorted({p.parent.relative_to(root).as_posix() for p in files})
+    index = {c: i for i, c in enumerate(classes)}
+    if spec.name == "resnet50" and len(classes) > spec.classes:
+        raise ValueError(f"--data {root}: {len(classes)} classes, the model has "
+                         f"{spec.classes} outputs")
+    samples = [(p, index[p.parent.relative_to(root).as_posix()]) for p in files]
+    kind = (f"{len(images)} images (JPEG/PNG, decoded with PIL)" if images
+            else f"{len(npy)} .npy files")
+    return samples, f"{kind} in {len(classes)} class(es) under {root}"
+
+
+class ImageData:
+    """Images or .npy image arrays -> (3 x S x S float32 tensor in [0, 1], class)."""
+
+    def __init__(self, samples: Sequence[tuple[Path, int]], size: int) -> None:
+        self.samples, self.size = list(samples), size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import numpy as np
+        import torch
+
+        path, label = self.samples[i]
+        if path.suffix == ".npy":
+            arr = np.load(path)
+            if arr.ndim == 2:
+                arr = arr[None]
+            if arr.ndim != 3:
+                raise ValueError(f"{path}: shape {arr.shape}, want HxWxC or CxHxW")
+            if arr.shape[-1] in (1, 3, 4) and arr.shape[0] not in (1, 3, 4):
+                arr = arr.transpose(2, 0, 1)
+            x = torch.from_numpy(np.ascontiguousarray(arr[:3])).float()
+            if arr.dtype == np.uint8:
+                x = x / 255.0
+        else:
+            from PIL import Image
+
+            with Image.open(path) as im:
+                rgb = im.convert("RGB").resize((self.size, self.size))
+                x = torch.from_numpy(np.asarray(rgb).transpose(2, 0, 1).copy()).float() / 255
+        if x.shape[0] == 1:
+            x = x.expand(3, -1, -1)
+        if tuple(x.shape[1:]) != (self.size, self.size):
+            x = torch.nn.functional.interpolate(x[None], size=(self.size, self.size),
+                                                mode="bilinear", align_corners=False)[0]
+        return x, label
+
+
+class TokenData:
+    """1-D integer .npy token arrays -> windows of seq_len + 1 (inputs, shifted targets)."""
+
+    def __init__(self, samples: Sequence[tuple[Path, int]], seq_len: int, vocab: int) -> None:
+        import numpy as np
+
+        self.seq_len, self.vocab = seq_len, vocab
+        self.windows: list[tuple[Path, int]] = []
+        for path, _ in samples:
+            arr = np.load(path, mmap_mode="r")
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"{path}: {arr.dtype} array of shape {arr.shape}; gpt2 "
+                                 "reads 1-D integer token arrays")
+            self.windows += [(path, s) for s in range(0, len(arr) - seq_len, seq_len)]
+        if not self.windows:
+            raise ValueError(f"no .npy file holds {seq_len + 1} tokens (--seq-len {seq_len})")
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        import numpy as np
+        import torch
+
+        path, start = self.windows[i]
+        w = np.array(np.load(path, mmap_mode="r")[start:start + self.seq_len + 1],
+                       dtype=np.int64)
+        if w.max() >= self.vocab or w.min() < 0:
+            raise ValueError(f"{path}: token {int(w.max())} outside the vocabulary "
+                             f"(--vocab {self.vocab})")
+        t = torch.from_numpy(w)
+        return t[:-1], t[1:]
+
+
+def _batches(cfg: TrainConfig, rank: int, size: int) -> tuple[Iterator[Any], str]:
+    """Endless (input, target) CPU batches of this rank's share of ``--data``."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    samples, what = scan_data(cfg.data, cfg.model)
+    data = (ImageData(samples, cfg.model.image_size) if cfg.model.name == "resnet50"
+            else TokenData(samples, cfg.model.seq_len, cfg.model.vocab))
+    sampler = DistributedSampler(data, num_replicas=size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=cfg.batch, sampler=sampler, drop_last=False,
+                        num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
+                        pin_memory=torch.cuda.is_available())
+
+    def forever() -> Iterator[Any]:
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    return forever(), (f"{what}; {len(data)} samples, a DataLoader with "
+                       f"{cfg.num_workers} worker(s) per rank")
+
+
+# ------------------------------------------------------------------- measuring (pure)
+@dataclasses.dataclass(frozen=True)
+class RankTimes:
+    """One rank's medians in seconds (``wait`` only with --via optimizer)."""
+
+    rank: int
+    step: float
+    input: float
+    compute: float
+    wait: float | None = None
+
+
+def shares(step: float, input_s: float, compute: float) -> dict[str, float]:
+    """Fractions of a step: compute, exposed comm (the rest, never below 0), input."""
+    if step <= 0:
+        raise ValueError(f"step time {step}: must be > 0")
+    i = min(input_s / step, 1.0)
+    c = min(compute / step, 1.0 - i)  # a compute-only step a little slower: no comm left
+    return {"compute": c, "comm": max(0.0, 1.0 - c - i), "input": i}
+
+
+def summarize(cfg: TrainConfig, times: Sequence[RankTimes], params: int,
+              data_desc: str, device: str) -> dict:
+    """The result document (what --json writes, and what scale and plot read)."""
+    per_sample = cfg.model.units_per_sample
+    rows = []
+    for t in times:
+        rows.append({"rank": t.rank, "step_s": t.step, "input_s": t.input,
+                     "compute_s": t.compute, "wait_s": t.wait,
+                     "throughput": cfg.batch * per_sample / t.step,
+                     "shares": shares(t.step, t.input, t.compute)})
+    mean = {k: statistics.fmean(getattr(t, k) for t in times)
+            for k in ("step", "input", "compute")}
+    total = sum(r["throughput"] for r in rows)
+    return {
+        "tool": "ddl-perf", "kind": "train", "version": 1,
+        "model": cfg.model.name, "model_config": dataclasses.asdict(cfg.model),
+        "describe": cfg.model.describe(), "params": params, "unit": cfg.model.unit,
+        "batch": cfg.batch, "units_per_sample": per_sample, "precision": cfg.precision,
+        "via": cfg.via, "device": device, "ranks": len(times), "data": data_desc,
+        "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
+        "per_rank": rows,
+        "throughput": {"total": total, "per_rank": total / len(times)},
+        "step_s": max(t.step for t in times),
+        "shares": shares(mean["step"], mean["input"], mean["compute"]),
+        "how": HOW,
+    }
+
+
+def format_result(doc: dict) -> str:
+    unit = doc["unit"]
+    wait = all(r["wait_s"] is not None for r in doc["per_rank"])
+    lines = [
+        f"# ddl-perf train: {doc['describe']}, {doc['params'] / 1e6:.3f} M parameters, "
+        f"batch {doc['batch']} per rank, {doc['precision']}, via {doc['via']} "
+        f"({VIAS[doc['via']]}), {doc['ranks']} rank(s) on {doc['device']}",
+        f"# data: {doc['data']}",
+        f"# {doc['rounds']} round(s) of {doc['warmup']} warm-up + {doc['steps']} timed steps, "
+        f"then {doc['steps']} compute-only; medians",
+        f"# {'rank':>4} {'step ms':>9} {unit + '/s':>12} {'compute %':>10} {'comm %':>7} "
+        f"{'input %':>8}" + (f" {'wait ms':>8}" if wait else ""),
+    ]
+    for r in doc["per_rank"]:
+        s = r["shares"]
+        lines.append(f"  {r['rank']:>4} {r['step_s'] * 1e3:>9.2f} {r['throughput']:>12.1f} "
+                     f"{100 * s['compute']:>10.1f} {100 * s['comm']:>7.1f} "
+                     f"{100 * s['input']:>8.1f}"
+                     + (f" {r['wait_s'] * 1e3:>8.2f}" if wait else ""))
+    s, t = doc["shares"], doc["throughput"]
+    lines += [
+        f"# total {t['total']:.1f} {unit}/s over {doc['ranks']} rank(s), {t['per_rank']:.1f} "
+        f"per rank; step {doc['step_s'] * 1e3:.2f} ms (slowest rank); compute "
+        f"{100 * s['compute']:.1f}%, exposed comm {100 * s['comm']:.1f}%, input "
+        f"{100 * s['input']:.1f}%",
+        f"# how: {doc['how']}",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- measuring (ranks)
+def _alone_rendezvous() -> None:
+    """One rank of our own: torch's process groups still want an address (this process)."""
+    from .. import topology
+    from .spawn import free_port
+
+    if "WORLD_SIZE" not in os.environ and topology.world_from_env().size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def _device(cfg: TrainConfig, local_rank: int) -> Any:
+    import torch
+
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    if cfg.via == "ddp-nccl":
+        raise ValueError("--via ddp-nccl needs CUDA: torch sees no CUDA device here")
+    return torch.device("cpu")
+
+
+class _Trainer:
+    """The model, its optimizer and its exchange on this rank; ``step`` and ``compute``
+    time one step with and without the exchange."""
+
+    def __init__(self, cfg: TrainConfig, hvd: Any, dev: Any) -> None:
+        import torch
+
+        from . import models
+
+        self.cfg, self.dev = cfg, dev
+        net = models.build(cfg.model).to(dev)
+        if cfg.precision == "bf16":
+            net = net.to(torch.bfloat16)
+        self.params = models.count_params(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        if cfg.via == "optimizer":
+            hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+            opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
+        self.net, self.opt = net, opt
+        self.cuda = dev.type == "cuda"
+
+    def _sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.dev)
+
+    def to_device(self, x: Any, y: Any) -> tuple[Any, Any]:
+        import torch
+
+        x = x.to(self.dev, non_blocking=True)
+        if self.cfg.precision == "bf16" and x.is_floating_point():
+            x = x.to(torch.bfloat16)
+        return x, y.to(self.dev, non_blocking=True)
+
+    def _forward_backward(self, x: Any, y: Any) -> None:
+        import contextlib
+
+        import torch
+
+        from . import models
+
+        amp = (torch.autocast(self.dev.type, dtype=torch.bfloat16)
+               if self.cfg.precision == "amp" else contextlib.nullcontext())
+        self.opt.zero_grad()
+        with amp:
+            out = self.net(x)
+        models.loss(self.cfg.model, out, y).backward()
+
+    def step(self, batches: Iterator[Any]) -> tuple[float, float, float | None, Any]:
+        """(step, input, wait or None, the device batch) of one real training step."""
+        self._sync()
+        t0 = time.perf_counter()
+        x, y = self.to_device(*next(batches))
+        self._sync()
+        t1 = time.perf_counter()
+        self._forward_backward(x, y)
+        wait = None
+        if self.cfg.via == "optimizer":
+            self._sync()
+            t2 = time.perf_counter()
+            self.opt.synchronize()
+            self._sync()
+            wait = time.perf_counter() - t2
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        else:
+            self.opt.step()
+        self._sync()
+        return time.perf_counter() - t0, t1 - t0, wait, (x, y)
+
+    def compute(self, x: Any, y: Any) -> float:
+        """The same step on a batch already on the device, the exchange switched off."""
+        self._sync()
+        t0 = time.perf_counter()
+        if self.cfg.via == "optimizer":
+            with self.opt.skip_synchronize():
+                self._forward_backward(x, y)
+                self.opt.step()
+        else:
+            with self.net.no_sync():
+                self._forward_backward(x, y)
+            self.opt.step()
+        self._sync()
+        return time.perf_counter() - t0
+
+
+def _measure(cfg: TrainConfig, trainer: _Trainer, batches: Iterator[Any],
+             barrier: Callable[[], None]) -> RankTimes:
+    steps: list[float] = []
+    inputs: list[float] = []
+    waits: list[float] = []
+    computes: list[float] = []
+    batch = None
+    for _ in range(cfg.rounds):
+        barrier()
+        for _ in range(cfg.warmup):
+            trainer.step(batches)
+        for _ in range(cfg.steps):
+            step, input_s, wait, batch = trainer.step(batches)
+            steps.append(step)
+            inputs.append(input_s)
+            if wait is not None:
+                waits.append(wait)
+        barrier()
+        trainer.compute(*batch)  # untimed: the first step after the switch
+        computes += [trainer.compute(*batch) for _ in range(cfg.steps)]
+    med = statistics.median
+    return RankTimes(rank=-1, step=med(steps), input=med(inputs), compute=med(computes),
+                     wait=med(waits) if waits else None)
+
+
+def train(cfg: TrainConfig) -> int:
+    """``ddl-perf train`` on every rank of the job (or alone); rank 0 prints."""
+    _alone_rendezvous()
+    import torch
+    import torch.distributed as dist
+
+    import ddl.torch as hvd
+
+    from . import models
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if not os.environ.get("OMP_NUM_THREADS"):  # a core left for ddl's progress threads
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size() - 1))
+    dev = _device(cfg, hvd.local_rank())
+    if cfg.via in DDP_BACKEND:
+        dist.init_process_group(DDP_BACKEND[cfg.via], init_method="env://", rank=rank,
+                                world_size=size)
+    try:
+        trainer = _Trainer(cfg, hvd, dev)
+        if cfg.data is None:
+            batch = trainer.to_device(*models.synthetic_batch(cfg.model, cfg.batch, rank))
+            batches: Iterator[Any] = iter(lambda: batch, None)
+            desc = "synthetic (one batch made once per rank, on the device: input time is ~0)"
+        else:
+            batches, desc = _batches(cfg, rank, size)
+        mine = dataclasses.replace(_measure(cfg, trainer, batches, hvd.barrier), rank=rank)
+        times = sorted(hvd.allgather_object(mine), key=lambda t: t.rank)
+        if rank == 0:
+            where = f"{dev}, {torch.get_num_threads()} torch thread(s) per rank"
+            doc = summarize(cfg, times, trainer.params, desc, where)
+            print(format_result(doc), flush=True)
+            if cfg.json_path:
+                with open(cfg.json_path, "w") as f:
+                    json.dump(doc, f, indent=1)
+                    f.write("\n")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def train_main(args: argparse.Namespace) -> int:
+    """``ddl-perf train``: the flags checked, then the measurement; 2 on a bad request."""
+    from .. import DDLError
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"ddl-perf train: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return train(cfg)
+    except (ValueError, DDLError) as exc:
+        print(f"ddl-perf train: {exc}", file=sys.stderr)
+        return 2
+
+
+# ======================================== python -m ddl.perf.train: side by side (older)
 
 MODES = ("compute", "ddp-gloo", "ddp-ddl", "hvd-ddl")
 COMM = ("raw-gloo", "raw-ddl", "raw-ddl-malloc", "raw-ddl-fresh", "hvd-exchange",
@@ -244,8 +818,9 @@ def format_table(res: dict) -> str:
     m = res["median_s"]
     mb = res["bytes"] / 1e6
     lines = [
-        f"# ddl-perf train: {res['params'] / 1e6:.1f} M parameters (float32, {mb:.1f} MB of "
-        f"gradients), {res['ranks']} ranks, CPU; medians in ms (max over ranks)",
+        f"# python -m ddl.perf.train (side by side): {res['params'] / 1e6:.1f} M parameters "
+        f"(float32, {mb:.1f} MB of gradients), {res['ranks']} ranks, CPU; medians in ms "
+        "(max over ranks)",
         f"# {'mode':<10} {'step ms':>9} {'exposed comm ms':>16} {'vs ddp-gloo':>12}",
     ]
     for mode in MODES:

@@ -1,0 +1,152 @@
+"""``ddl-perf plot RESULTS.json... -o OUT.png|.svg``: bus bandwidth against message size,
+one line per engine (log-log), from ``ddl-perf allreduce`` & co ``--json`` files, and
+throughput against ranks with the ideal line from ``ddl-perf scale --json`` files. Which
+kind a file is comes from the file (``kind_of``); both kinds in one call give two panels.
+
+matplotlib is optional: without it ``plot`` and ``scale --plot`` stop with one line that
+names it. Figures are drawn on ``matplotlib.figure.Figure`` (no pyplot, no GUI backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+class PlotError(Exception):
+    """A file that cannot be drawn, or no matplotlib; the message says which and why."""
+
+
+COLLECTIVE, SCALE = "collective", "scale"
+
+
+def kind_of(doc: Any) -> str:
+    """``collective`` for an allreduce/allgather/... --json document (or a list of them,
+    as --ranks writes), ``scale`` for a scale --json one; PlotError for anything else."""
+    items = doc if isinstance(doc, list) else [doc]
+    if items and all(isinstance(d, dict) and d.get("tool") == "ddl-perf" for d in items):
+        if all("collective" in d and "results" in d for d in items):
+            return COLLECTIVE
+        if len(items) == 1 and items[0].get("kind") == SCALE:
+            return SCALE
+        if len(items) == 1 and items[0].get("kind") == "train":
+            raise PlotError("a single `ddl-perf train --json` result has nothing to draw "
+                            "against: plot the output of `ddl-perf scale --json`")
+    raise PlotError("not a ddl-perf result: want the --json of ddl-perf allreduce (or "
+                    "allgather, broadcast, reduce_scatter, alltoall) or of ddl-perf scale")
+
+
+def load(path: str) -> tuple[str, Any]:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlotError(f"{path}: {exc}") from None
+    try:
+        return kind_of(doc), doc
+    except PlotError as exc:
+        raise PlotError(f"{path}: {exc}") from None
+
+
+def busbw_series(docs: Sequence[Any], in_place: bool = False
+                 ) -> dict[str, list[tuple[int, float]]]:
+    """Label -> [(size in bytes, busbw GB/s)] sorted by size. The label is the engine,
+    with the collective and the rank count added when the files hold more than one."""
+    rows = [r for d in docs for item in (d if isinstance(d, list) else [d])
+            for r in item["results"]]
+    colls = {r["experiment_name"] for r in rows}
+    ranks = {r["ranks"] for r in rows}
+    part = "in_place" if in_place else "out_of_place"
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        label = r["engine"]
+        if len(colls) > 1:
+            label = f"{r['experiment_name']} {label}"
+        if len(ranks) > 1:
+            label += f" ({r['ranks']} ranks)"
+        series.setdefault(label, []).append((int(r["size"]), float(r[part]["bus_bw"])))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def scale_series(doc: dict) -> tuple[str, list[int], list[float], list[float]]:
+    """(label, ranks, measured total throughput, ideal throughput)."""
+    pts = doc["points"]
+    base = min(pts, key=lambda p: p["ranks"])
+    per_rank0 = base["throughput"] / base["ranks"]
+    label = f"{doc['model']} via {doc['via']} ({doc['precision']})"
+    return (label, [p["ranks"] for p in pts], [p["throughput"] for p in pts],
+            [per_rank0 * p["ranks"] for p in pts])
+
+
+def _figure_cls() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotError("plotting needs matplotlib, which is not installed "
+                        "(pip install matplotlib)") from None
+    return Figure
+
+
+def draw_busbw(ax: Any, docs: Sequence[Any], in_place: bool) -> None:
+    drawn = 0
+    for label, pts in busbw_series(docs, in_place).items():
+        pts = [(s, b) for s, b in pts if b > 0]  # log axes; 1 rank has busbw 0
+        if pts:
+            ax.plot([s for s, _ in pts], [b for _, b in pts], marker="o", label=label)
+            drawn += 1
+    if not drawn:
+        raise PlotError("every busbw is 0 (a 1-rank run moves nothing): measure with 2 or "
+                        "more ranks")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel(f"bus bandwidth, {'in' if in_place else 'out of'} place (GB/s)")
+    ax.set_title("busbw vs size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def draw_scale(ax: Any, docs: Sequence[dict]) -> None:
+    unit = docs[0]["unit"]
+    for doc in docs:
+        label, ranks, got, ideal = scale_series(doc)
+        line = ax.plot(ranks, got, marker="o", label=label)[0]
+        ax.plot(ranks, ideal, linestyle="--", color=line.get_color(),
+                label=f"ideal (linear from {ranks[0]} rank(s))")
+        for n, t, i in zip(ranks, got, ideal):
+            ax.annotate(f"{t / i:.0%}", (n, t), textcoords="offset points", xytext=(4, -12))
+    ax.set_xlabel("ranks")
+    ax.set_ylabel(f"{unit}/s (all ranks)")
+    ax.set_title("training throughput vs ranks (labels: scaling efficiency)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
+def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) -> None:
+    """Draw the loaded (kind, document) pairs into ``out`` (.png or .svg)."""
+    if not out.lower().endswith((".png", ".svg")):
+        raise PlotError(f"-o {out}: give a .png or .svg file name")
+    Figure = _figure_cls()
+    coll = [d for k, d in loaded if k == COLLECTIVE]
+    scale = [d for k, d in loaded if k == SCALE]
+    panels = [p for p in ((COLLECTIVE, coll), (SCALE, scale)) if p[1]]
+    fig = Figure(figsize=(7 * len(panels), 5), layout="constrained")
+    for ax, (kind, docs) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        if kind == COLLECTIVE:
+            draw_busbw(ax, docs, in_place)
+        else:
+            draw_scale(ax, docs)
+    fig.savefig(out)
+
+
+def plot_main(args: argparse.Namespace) -> int:
+    try:
+        render([load(p) for p in args.results], args.output, args.in_place)
+    except PlotError as exc:
+        print(f"ddl-perf plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"ddl-perf plot: wrote {args.output}")
+    return 0
