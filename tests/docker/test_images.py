@@ -10,7 +10,10 @@ context (``PIP_NO_INDEX=1``: the build reads no Python index). In the image: the
 the labels, no caches or keys left in it, ``ddlrun -n 2`` training as root and as the
 ``ddl`` user, and two containers on one podman network running ``ddlrun -H`` over ssh
 (keys made by the image's ``keygen`` at run time, mounted read-only) whose results match
-one container's. The CUDA image is only linted here (no CUDA base image, no GPU).
+one container's; then docker/compose.yaml itself, brought up with ``podman-compose`` on
+that image (``POWERDDL_IMAGE``), running its documented ``ddlrun -H node1:2,node2:2`` from
+node1, and ``down -v`` leaving nothing behind. The CUDA image and the compose file's GPU
+profile are only linted and checked for shape here (no CUDA base image, no GPU).
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ def test_compose_two_nodes_and_a_gpu_profile():
         (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert set(spec["volumes"]) == {"ddl-keys"} and set(spec["networks"]) == {"ddl"}
+    # one image for keygen and the CPU nodes, renamed with POWERDDL_IMAGE (the tests do)
+    for name in ("keygen", "node1", "node2"):
+        assert services[name]["image"] == "${POWERDDL_IMAGE:-powerddl:cpu}", name
 
 
 def test_entrypoint_keygen_makes_run_time_keys(tmp_path):
@@ -356,3 +362,103 @@ def test_two_containers_ddlrun_over_ssh(podman, cpu_image):
     # the ddl user has the cluster's key too
     who = podman.run("exec", "--user", "ddl", nodes["node1"], "ssh", "node2", "id", "-un")
     assert who.stdout == "ddl\n"
+
+
+# ------------------------------------------------------------------ compose (podman-compose)
+def _compose_leftovers(podman, project: str) -> list[str]:
+    """What a compose project still has in the store: containers, pods, networks, volumes."""
+    label = f"label=io.podman.compose.project={project}"
+    found = []
+    for kind, argv in (("container", ("ps", "--all", "--filter", label)),
+                       ("pod", ("pod", "ps", "--filter", f"name=pod_{project}")),
+                       ("network", ("network", "ls", "--filter", label)),
+                       ("volume", ("volume", "ls", "--filter", label))):
+        out = podman.run(*argv, "--format", "{{.Name}}" if kind in ("pod", "volume", "network")
+                         else "{{.Names}}", check=False).stdout.split()
+        found += [f"{kind} {name}" for name in out]
+    return found
+
+
+def _compose_force_clean(podman, project: str, leftovers: list[str]) -> None:
+    for what in leftovers:
+        kind, name = what.split(" ", 1)
+        if kind == "container":
+            podman.run("rm", "--force", "--time", "2", name, check=False)
+        elif kind == "pod":
+            podman.run("pod", "rm", "--force", name, check=False)
+    for what in leftovers:
+        kind, name = what.split(" ", 1)
+        if kind in ("network", "volume"):
+            podman.run(kind, "rm", "--force", name, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the build, if this test runs alone; its own part is ~1 minute
+def test_compose_cluster_trains_across_two_nodes(podman, request):
+    """docker/compose.yaml as a user runs it: up, ddlrun -H from node1 to both nodes, down."""
+    compose = _tool("podman-compose")
+    if compose is None:
+        pytest.skip("podman-compose not installed (pip install podman-compose: the dev extra)")
+    cpu_image = request.getfixturevalue("cpu_image")  # the session's image: no second build
+    project = f"ddltest-compose-{uuid.uuid4().hex[:8]}"
+    # POWERDDL_IMAGE: the file's own override of its image name (default powerddl:cpu)
+    env = {**podman.env, "POWERDDL_IMAGE": cpu_image}
+
+    def pc(*argv: str, timeout: float = 180, check: bool = True):
+        argv = ("-f", str(DOCKER / "compose.yaml"), "-p", project, *argv)
+        out = subprocess.run([compose, *argv], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            pytest.fail(f"podman-compose {' '.join(argv)} exited {out.returncode}:\n"
+                        f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+        return out
+
+    def container(service: str) -> str:
+        names = podman.run("ps", "--all", "--format", "{{.Names}}",
+                           "--filter", f"label=io.podman.compose.project={project}",
+                           "--filter", f"label=io.podman.compose.service={service}"
+                           ).stdout.split()
+        assert len(names) == 1, (service, names)
+        return names[0]
+
+    try:
+        # --no-build: the image is this session's (the file's "build:" makes powerddl:cpu)
+        up = pc("up", "-d", "--no-build")
+        keygen = json.loads(podman.run("inspect", container("keygen")).stdout)[0]
+        assert keygen["State"]["ExitCode"] == 0, up.stdout + up.stderr
+        nodes = {name: container(name) for name in ("node1", "node2")}
+        for name, cid in nodes.items():
+            _wait_listening(podman, cid)
+            spec = json.loads(podman.run("inspect", cid).stdout)[0]
+            assert spec["Config"]["Image"] == cpu_image
+            assert spec["HostConfig"]["ShmSize"] == 1 << 30, name
+            mounts = {m["Destination"]: m for m in spec["Mounts"]}
+            assert mounts["/run/ddl-ssh"]["Type"] == "volume"
+            assert mounts["/run/ddl-ssh"]["RW"] is False, name
+
+        # compose's documented command, from node1 (exec -T: no tty in CI)
+        t0 = time.monotonic()
+        two = pc("exec", "-T", "node1", "ddlrun", "-H", "node1:2,node2:2", *TRAIN, timeout=300)
+        print(f"compose job: {time.monotonic() - t0:.0f} s\n{two.stdout[-1500:]}")
+        losses, summary = _results(two)
+        assert re.search(r"^\[0\] ranks 4: ", two.stdout, re.M), two.stdout
+        assert summary.endswith("identical on all ranks: True"), summary
+        first, last = (float(re.search(r"loss ([\d.]+)", line)[1])
+                       for line in (losses[0], losses[-1]))
+        accuracy = float(re.search(r"held-out accuracy ([\d.]+)", summary)[1])
+        assert last < first and accuracy > 0.5, two.stdout  # chance is 0.1 (10 classes)
+        # where the four ranks ran: two on each node, reached over ssh with the volume's key
+        where = pc("exec", "-T", "node1", "ddlrun", "-H", "node1:2,node2:2", "hostname")
+        placed = sorted(re.findall(r"^\[(\d)\] (\S+)$", where.stdout, re.M))
+        assert placed == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], \
+            where.stdout
+        assert "Accepted publickey for root" in podman.run("logs", nodes["node2"]).stderr
+    finally:
+        try:
+            down = pc("down", "-v", check=False, timeout=120)
+        except subprocess.TimeoutExpired as e:
+            down = subprocess.CompletedProcess(e.cmd, -9, str(e.stdout), "down timed out")
+        leftovers = _compose_leftovers(podman, project)
+        _compose_force_clean(podman, project, leftovers)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert leftovers == [], f"podman-compose down -v left {leftovers}"
