@@ -1,27 +1,37 @@
-"""Step time of one Keras 3 model (TensorFlow backend) trained with ``model.fit``, two
-ways, on every rank of a ddlrun job::
+"""Step time of one Keras 3 model (TensorFlow backend), three ways, on every rank of a
+ddlrun job::
 
     ddlrun -n 2 python -m ddl.perf.keras_bench [--steps 30]
 
-- ``alone``: a plain optimizer, every rank training its own copy at the same time (no
-  communication; the ranks still compete for the machine as in the others);
-- ``ddl``: ``ddl.keras.DistributedOptimizer`` (one grouped allreduce per step).
-
-``tf.distribute.MultiWorkerMirroredStrategy`` is not timed: with a ``TF_CONFIG`` made from
-the job and the strategy created before any TensorFlow op, Keras 3.15's ``fit`` inside its
-scope failed ("Attempt to convert a value (PerReplica...) to a Tensor"); see
-docs/performance.md.
+- ``alone``: ``model.fit`` with a plain optimizer, every rank training its own copy at the
+  same time (no communication; the ranks still compete for the machine as in the others);
+- ``ddl``: ``model.fit`` with ``ddl.keras.DistributedOptimizer`` (one grouped allreduce
+  per step);
+- ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (``RING``), one worker per rank,
+  ``TF_CONFIG`` built from the job (each rank's address and a free port, exchanged with
+  ``allgather_object``), the strategy created before any other TensorFlow op. Keras 3.15's
+  ``fit`` fails inside the strategy's scope ("Attempt to convert a value (PerReplica...)
+  to a Tensor", keras-team/keras#20585), so this mode is a custom loop: model and Keras
+  optimizer created in ``strategy.scope()``, a ``tf.function`` running
+  ``strategy.run(step)``, the step a ``tf.GradientTape`` of the same loss and
+  ``optimizer.apply(grads, model.trainable_variables)`` (Keras sums the gradients over the
+  workers with the strategy's all-reduce; the loss is averaged over the global batch).
+  After its timed steps the script asserts that every rank holds the same weights (the
+  ranks train on different data, so only a synchronized update keeps them equal).
 
 The model is an MLP of ``--width`` (2048: about 10.5 M float32 parameters, 42 MB of
 gradients). A step's time is the time between two consecutive ``on_train_batch_end``
-calls; the table shows the median over ``--steps`` after ``--warmup`` steps, on rank 0,
-and each mode's ratio to ``alone``. The same as JSON with ``--json``.
+calls (in ``mwms``: between two consecutive step returns, the loss fetched); the table
+shows the median over ``--steps`` after ``--warmup`` steps, on rank 0, and each mode's
+ratio to ``alone``. The same as JSON with ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
 import time
 from typing import Any
@@ -75,11 +85,78 @@ def _time_fit(keras: Any, model: Any, optimizer: Any, data: Any, args: Any,
     return statistics.median(timer.times)
 
 
+def _address() -> tuple[str, int]:
+    """This rank's address towards rank 0 (``MASTER_ADDR``) and a free TCP port on it."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master, 9))  # UDP: no packet sent, only the route chosen
+        host = s.getsockname()[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def _mwms(hvd: Any) -> Any:
+    """A MultiWorkerMirroredStrategy over the ddl job: call before any TensorFlow op."""
+    host, port = _address()
+    workers = [f"{h}:{p}" for h, p in hvd.allgather_object((host, port))]
+    os.environ["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": hvd.rank()}})
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def _time_mwms(keras: Any, tf: Any, hvd: Any, strategy: Any, x: Any, y: Any, dim: int,
+               args: Any) -> float:
+    with strategy.scope():
+        model = _model(keras, dim, args.width)
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction=None)
+    global_batch = args.batch * strategy.num_replicas_in_sync
+
+    def step(xb: Any, yb: Any) -> Any:
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(yb, model(xb, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    @tf.function
+    def train_step(xb: Any, yb: Any) -> Any:
+        per_replica = strategy.run(step, args=(xb, yb))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    xb, yb = tf.constant(x), tf.constant(y)
+    times: list[float] = []
+    last = None
+    for i in range(args.warmup + args.steps + 1):
+        train_step(xb, yb).numpy()
+        now = time.perf_counter()
+        if last is not None and i >= args.warmup:
+            times.append(now - last)
+        last = now
+    mine = [w.numpy() for w in model.trainable_weights]
+    ref = hvd.broadcast_object(mine, 0)
+    same = all(bool((a == b).all()) for a, b in zip(mine, ref))
+    agree = hvd.allgather_object(same)
+    assert all(agree), f"mwms: weights differ between ranks after training ({agree})"
+    if hvd.rank() == 0 and not args.json:
+        print(f"# mwms: the {len(mine)} weight tensors are equal on all {hvd.size()} ranks "
+              f"after {args.warmup + args.steps + 1} steps on different data (synchronized)")
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import ddl.keras as hvd
 
     hvd.init()
+    strategy = _mwms(hvd)  # before any other TensorFlow op
     import keras
     import numpy as np
     import tensorflow as tf
@@ -100,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         keras, _model(keras, dim, args.width),
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), local, args,
         [hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    hvd.broadcast_object(0)
+    results["mwms"] = _time_mwms(keras, tf, hvd, strategy, x, y, dim, args)
 
     if hvd.rank() == 0:
         base = results["alone"]
