@@ -184,6 +184,14 @@ _VARS = [
         "docs/performance.md",
     ),
     EnvVar(
+        "DDL_COST_PROFILE",
+        str,
+        None,
+        "JSON cost profile written by `ddl-perf calibrate`: mode b picks each dimension's "
+        "algorithm from the measured latency and bandwidth instead of the defaults, and "
+        "`ddl-perf simulate` predicts from it",
+    ),
+    EnvVar(
         "DDL_CHUNK_BYTES",
         _size,
         8 << 20,

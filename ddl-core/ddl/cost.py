@@ -74,9 +74,190 @@ def multidim_time(dims: list[tuple[str, int, Link]], nbytes: float) -> float:
 
 def pipelined_time(dims: list[tuple[str, int, Link]], nbytes: float, chunks: int) -> float:
     """With the buffer cut into ``chunks`` pipelined through the dimensions, the slowest
-    dimension sets the pace once the pipeline is full."""
+    dimension sets the pace once the pipeline is full (a closed-form estimate;
+    ``pipeline_time`` plays out ddl's actual chunks and schedule)."""
     if chunks <= 1:
         return multidim_time(dims, nbytes)
     stage = [multidim_time(dims[: i + 1], nbytes) - multidim_time(dims[:i], nbytes)
              for i in range(len(dims))]
     return max(stage) + sum(stage) / chunks
+
+
+def pipeline_time(dims: list[tuple[str, int, Link]], nbytes: float, chunk_bytes: int,
+                  itemsize: int = 4) -> float:
+    """The multi-dimensional allreduce as ddl runs it (algorithms/multidim.py): the buffer
+    cut into ``chunk_sizes`` chunks, one worker per dimension running its fixed schedule
+    (reduce-scatter chunk i, then allgather chunk i-1 once the outer dimensions are done
+    with it; the outermost allreduces each chunk). Each dimension is modelled as one
+    server that does one operation at a time, and the schedule is played out exactly,
+    so fill, drain and the ramp chunks at both ends are counted, not approximated."""
+    from .algorithms.multidim import chunk_sizes  # the engine's own chunking
+
+    dims = [d for d in dims if d[1] > 1]
+    if not dims or nbytes <= 0:
+        return 0.0
+    if len(dims) == 1:
+        alg, n, link = dims[0]
+        return allreduce_time(alg, n, nbytes, link)
+    elems = max(1, int(nbytes) // itemsize)
+    chunks = [c * itemsize for c in chunk_sizes(elems, max(1, chunk_bytes // itemsize))]
+    k = len(dims)
+    inner = [math.prod(n for _, n, _ in dims[:j]) for j in range(k)]
+
+    def cost_of(j: int, i: int) -> float:
+        alg, n, link = dims[j]
+        share = chunks[i] / inner[j]
+        if j == k - 1:
+            return allreduce_time(alg, n, share, link)
+        return reduce_scatter_time(alg, n, share, link)
+
+    # ready[j][i]: chunk i reduce-scattered along dimension j; done[j][i]: gathered back
+    ready = [[math.nan] * len(chunks) for _ in range(k)]
+    done = [[math.nan] * len(chunks) for _ in range(k)]
+    queues = []
+    for j in range(k):
+        if j == k - 1:
+            ops = [("ar", i) for i in range(len(chunks))]
+        else:
+            ops = [("rs", 0)]
+            for i in range(1, len(chunks)):
+                ops += [("rs", i), ("ag", i - 1)]
+            ops.append(("ag", len(chunks) - 1))
+        queues.append(ops)
+    clock = [0.0] * k
+    pos = [0] * k
+    while any(pos[j] < len(queues[j]) for j in range(k)):
+        progressed = False
+        for j in range(k):
+            while pos[j] < len(queues[j]):
+                kind, i = queues[j][pos[j]]
+                dep = ready[j - 1][i] if kind in ("rs", "ar") and j else 0.0
+                if kind == "ag":
+                    dep = done[j + 1][i]
+                if math.isnan(dep):
+                    break
+                end = max(clock[j], dep) + cost_of(j, i)
+                clock[j] = end
+                (done if kind in ("ag", "ar") else ready)[j][i] = end
+                pos[j] += 1
+                progressed = True
+        if not progressed:  # cannot happen for this schedule; guards the loop
+            raise RuntimeError("pipeline schedule deadlocked")
+    return max(done[0])
+
+
+# --------------------------------------------------------------------------- profiles
+# A cost profile is what ``ddl-perf calibrate`` measured on a cluster: one fitted Link per
+# grid dimension and engine. ``DDL_COST_PROFILE=path`` makes mode ``b`` and ``ddl-perf
+# simulate`` use it instead of the defaults above.
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DimProfile:
+    index: int  # grid dimension, innermost (ranks in a host) first
+    engine: str  # 'shm', 'gloo', 'mpi'
+    size: int  # ranks along the dimension when it was measured
+    algorithm: str  # what was timed: 'shm' or 'native'
+    link: Link
+
+
+@dataclass(frozen=True)
+class Profile:
+    machine: str
+    dims: tuple[DimProfile, ...]
+    measured: tuple[dict, ...] = ()
+
+    def link(self, index: int, engine: str) -> Link | None:
+        """The link measured for this dimension and engine; else for this engine on any
+        dimension (the outermost such: a job with more dimensions than were measured
+        crosses at least that slow a link); None when the engine was never measured."""
+        same = [d for d in self.dims if d.engine == engine]
+        exact = [d for d in same if d.index == index]
+        if exact:
+            return exact[0].link
+        return same[-1].link if same else None
+
+    def to_json(self) -> dict:
+        return {"version": PROFILE_VERSION, "machine": self.machine,
+                "dims": [{"index": d.index, "engine": d.engine, "size": d.size,
+                          "algorithm": d.algorithm, "alpha_s": d.link.alpha,
+                          "beta_s_per_byte": d.link.beta,
+                          "gamma_s_per_byte": d.link.gamma} for d in self.dims],
+                "measured": list(self.measured)}
+
+
+def profile_from_json(doc: object, where: str) -> Profile:
+    """``where`` names the source in errors (a path)."""
+    from .errors import DDLConfigError
+
+    def bad(why: str) -> DDLConfigError:
+        return DDLConfigError(f"cost profile {where}: {why} (write one with "
+                              "`ddlrun ... ddl-perf calibrate -o PATH`)")
+
+    if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
+        raise bad(f"expected a JSON object with \"version\": {PROFILE_VERSION}")
+    rows = doc.get("dims")
+    if not isinstance(rows, list) or not rows:
+        raise bad("\"dims\" must be a non-empty list")
+    dims = []
+    for k, row in enumerate(rows):
+        try:
+            alpha, beta = float(row["alpha_s"]), float(row["beta_s_per_byte"])
+            gamma = float(row.get("gamma_s_per_byte", Link(0, 0).gamma))
+            dim = DimProfile(int(row.get("index", k)), str(row["engine"]), int(row["size"]),
+                             str(row.get("algorithm", "native")), Link(alpha, beta, gamma))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise bad(f"dims[{k}] needs engine, size, alpha_s, beta_s_per_byte: "
+                      f"{exc!r}") from None
+        if min(alpha, beta, gamma) < 0 or not all(map(math.isfinite, (alpha, beta, gamma))):
+            raise bad(f"dims[{k}]: alpha, beta and gamma must be finite and >= 0")
+        dims.append(dim)
+    return Profile(str(doc.get("machine", "")), tuple(dims), tuple(doc.get("measured", ())))
+
+
+def load_profile(path: str) -> Profile:
+    import json
+
+    from .errors import DDLConfigError
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise DDLConfigError(f"cost profile {path}: cannot read it: {exc.strerror}") from None
+    except ValueError as exc:
+        raise DDLConfigError(f"cost profile {path}: not JSON: {exc}") from None
+    return profile_from_json(doc, path)
+
+
+def save_profile(profile: Profile, path: str) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump(profile.to_json(), f, indent=1)
+        f.write("\n")
+
+
+_loaded: dict[str, Profile] = {}
+
+
+def env_profile() -> Profile | None:
+    """The profile named by DDL_COST_PROFILE (read once per path), or None."""
+    from . import config
+
+    path = config.get("DDL_COST_PROFILE")
+    if not path:
+        return None
+    if path not in _loaded:
+        _loaded[path] = load_profile(path)
+    return _loaded[path]
+
+
+def link_for(index: int, engine: str, default: Link = NETWORK) -> Link:
+    """The Link mode ``b`` plans dimension ``index`` on ``engine`` with: measured when
+    DDL_COST_PROFILE has it, else ``default``."""
+    profile = env_profile()
+    found = profile.link(index, engine) if profile else None
+    return found or default

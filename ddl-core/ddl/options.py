@@ -16,11 +16,15 @@ MODES = {
     "b": "best of native/ring per dimension by the cost model",
     "p": "explore: time each candidate per dimension at start, keep the fastest",
 }
+# The mode letters without ``-mode`` and ddlrun's default (``ddlrun -m`` not given): the one
+# source for both. Ring: no measuring at start, the bandwidth-optimal algorithm for the large
+# gradient buckets that dominate training; ``b``/``p`` are opt-ins (docs/tuning.md).
+DEFAULT_MODE = "r"
 
 
 @dataclass(frozen=True)
 class Options:
-    mode: str = "r"
+    mode: str = DEFAULT_MODE
     grid: tuple[int, ...] | None = None  # innermost dimension first; None = one flat ring
     dump_iter: int = 0
     dbg_level: int = 0
@@ -29,7 +33,7 @@ class Options:
         parts = []
         if self.grid is not None:
             parts.append(f"-mode {self.mode}:{'x'.join(map(str, self.grid))}")
-        elif self.mode != "r":
+        elif self.mode != DEFAULT_MODE:
             parts.append(f"-mode {self.mode}")
         if self.dump_iter:
             parts.append(f"-dump_iter {self.dump_iter}")
@@ -84,7 +88,7 @@ def parse(text: str) -> Options:
         tokens = shlex.split(text or "")
     except ValueError as exc:
         raise DDLConfigError(f"DDL_OPTIONS {text!r}: {exc}") from None
-    mode, grid, dump_iter, dbg = "r", None, 0, 0
+    mode, grid, dump_iter, dbg = DEFAULT_MODE, None, 0, 0
     i = 0
     while i < len(tokens):
         flag = tokens[i]

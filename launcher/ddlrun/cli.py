@@ -1,5 +1,7 @@
 """ddlrun command line: ``build_parser()`` -> ``config_from_args()`` (typed, validated, no
-side effects) -> ``main()`` (preflight, plan, act).
+side effects) -> ``main()``: the steps of ``ddlrun.steps``, ``preflight()`` (probe the
+hosts), ``job_inputs()`` (draw the job id, port and secret), ``plan_job()`` (pure), ``act()``
+(print for --dry-run, or supervise), with one output sink.
 
 Host precedence: ``-H`` or ``--hostfile`` (not both), else ``--nnodes N`` (> 1) or
 ``--node-rank K`` without hosts: one ddlrun per node, torchrun-style (this host's ranks only,
@@ -11,27 +13,23 @@ Peer launchers' spellings (torchrun, horovodrun, mpirun, DeepSpeed) are aliases 
 option, or rejected in one line naming ddlrun's (``_Reject``); options are never
 abbreviated; ``--ddloption``/``--mpiarg`` values may start with '-' (``join_dash_values``).
 
-Side effects live here, not in the planner: the job id, the free port, the job's secret
-(``job_secret_env``) and the sweep of orphaned shared memory at start.
+Side effects live in the steps, not in the planner: the job id, the free port (a note when
+it is a guess: ``steps.choose_port``), the job's secret (``steps.job_secret_env``) and the
+sweep of orphaned shared memory at start.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import secrets
-import shlex
 import socket
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from . import check_build, version
 from .backends import LaunchOptions, get_backend, is_root
 from .backends.mpirun import parse_mpiargs
-from .backends.ssh import AgentBackend, SshBackend
 from .errors import LaunchError, PreflightError, UsageError
 from .hosts import (
     HostSpec,
@@ -43,29 +41,9 @@ from .hosts import (
     parse_selection,
     slurm_hosts,
 )
-from .output import OutputSink, log_paths, silence
-from .plan import (
-    SECRET_SOURCES,
-    HostFacts,
-    Request,
-    describe,
-    make_plan,
-    parse_rankfile,
-    validate_env_name,
-    validate_job_id,
-)
-from .preflight import (
-    ProbeResult,
-    check,
-    facts_from_probe,
-    pick_free_pair,
-    probe,
-    probe_all,
-    probe_remote,
-    version_table,
-)
-from .run import signals_raise, supervise
-from .shm import cleanup, mib, sweep_orphans
+from .output import OutputSink, silence
+from .plan import Request, parse_rankfile, validate_env_name
+from .steps import act, job_inputs, plan_job, preflight, run_cleanup
 
 LAUNCHERS = ("auto", "local", "ssh", "mpirun", "slurm", "lsf")
 
@@ -257,14 +235,6 @@ def _read(path: str, what: str) -> list[str]:
 def _positive(value, name: str) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{name} must be at least 1, got {value}")
-
-
-PYTHON_NAME = re.compile(r"^python[0-9.]*$")
-
-
-def is_python(program: str) -> bool:
-    """Whether the program is a python interpreter (``python``, ``python3.11``, a path)."""
-    return bool(PYTHON_NAME.match(os.path.basename(program)))
 
 
 def with_interpreter(program: list[str], python: str) -> list[str]:
@@ -479,117 +449,16 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     )
 
 
-def new_job_id() -> str:
-    return f"{time.strftime('%Y%m%d%H%M%S')}_{secrets.token_hex(4)}"
-
-
-def new_secret() -> str:
-    try:
-        from ddl.identity import new_secret as ddl_new_secret
-    except ImportError:  # ddl's rule, for a launcher host without a working ddl
-        return secrets.token_urlsafe(32)
-    return ddl_new_secret()
-
-
-def job_secret_env(request: Request, environ: Mapping[str, str],
-                   draw: Callable[[], str] = new_secret) -> dict[str, str]:
-    """The variables that carry the job's secret to every rank: the user's own
-    (DDL_JOB_SECRET / DDL_JOB_SECRET_FILE in ddlrun's environment) passed on, none when
-    ``-x`` already exports one, else a new secret."""
-    if any(key in SECRET_SOURCES for key, _ in request.env):
-        return {}
-    theirs = {key: environ[key] for key in SECRET_SOURCES if environ.get(key)}
-    return theirs or {"DDL_JOB_SECRET": draw()}
-
-
-def _user_env_value(cfg: Config, name: str, environ: Mapping[str, str]) -> str | None:
-    """What ``name`` will be for the ranks: from ``-x``, else (ranks on this host inherit
-    ddlrun's environment) from ours."""
-    for key, value in cfg.request.env:
-        if key == name:
-            return environ.get(key) if value is None else value
-    return environ.get(name) if cfg.launcher == "local" else None
-
-
-def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) -> dict[int, str]:
-    """The ports rank 0's host will bind, and what each is for (for preflight messages)."""
-    ports: dict[int, str] = {}
-    ddl_port = _user_env_value(cfg, "DDL_PORT", environ)
-    store = int(ddl_port) if ddl_port and ddl_port.isdigit() else None
-    if master_port:
-        ports[master_port] = (f"MASTER_PORT {master_port} (torch's init_process_group binds "
-                              "it)")
-        store = store or master_port + 1
-    if store:
-        ports.setdefault(store, f"ddl's store port {store} (DDL_PORT, default MASTER_PORT+1)")
-    return ports
-
-
-def run_cleanup(job_id: str | None, sink: OutputSink) -> int:
-    """``ddlrun --cleanup``: this host only (run it on each host of a killed job)."""
-    if job_id:
-        for name in cleanup(validate_job_id(job_id), None):
-            print(f"removed /dev/shm/{name}", flush=True)
-        return 0
-    removed = sweep_orphans()
-    for name, size in removed:
-        print(f"removed /dev/shm/{name} ({mib(size)})", flush=True)
-    if removed:
-        sink.note(f"removed {len(removed)} orphaned shared-memory segment(s) "
-                  f"({mib(sum(size for _, size in removed))})")
-    else:
-        sink.note("no orphaned shared-memory segments of this user on this host")
-    return 0
-
-
-def sweep_at_start(sink: OutputSink) -> None:
-    """Every start removes what killed jobs left here; quiet unless it removed something."""
-    swept = sweep_orphans()
-    if swept:
-        sink.note(f"removed {len(swept)} orphaned shared-memory segment(s) of killed jobs "
-                  f"({mib(sum(size for _, size in swept))}; see ddlrun --cleanup)")
-
-
-# ---------------------------------------------------------------------------- preflight
-def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
-                 ) -> tuple[dict[str, HostFacts], list[ProbeResult]]:
-    """Probe every host: in-process for local ones, through the backend's transport (ssh,
-    blaunch) for remote ones; host 0 checks ``ports``. Returns facts and the raw results."""
-    req = cfg.request
-    iface = req.network_interface
-    here = {socket.gethostname()}
-
-    # Remote hosts are probed over the backend's own transport (ssh for mpirun).
-    remote = backend if isinstance(backend, AgentBackend) else SshBackend(cfg.options)
-
-    program = req.program
-    python = program[0] if program and is_python(program[0]) else None
-
-    def one(host: HostSpec, check: Sequence[int]) -> ProbeResult:
-        if is_local(host.name, here):
-            return ProbeResult(host.name, probe(check, iface, python), None)
-        return probe_remote(host.name, remote.probe_cmd(host, check, iface, python),
-                            cfg.options.start_timeout + 5, remote.fix_hint(host))
-
-    hosts = list(req.hosts)
-    results = probe_all([h.name for h in hosts],
-                        lambda name: one(next(h for h in hosts if h.name == name),
-                                         ports if name == hosts[0].name else ()))
-    facts = {r.host: facts_from_probe(r.data) for r in results if r.data is not None}
-    return facts, results
-
-
 # ---------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    sink = OutputSink()
     try:
         try:
             args = parse_args(argv, parser)
         except UsageError as exc:  # a peer launcher's flag that ddlrun spells otherwise
-            sink.note(f"error: {exc}")
+            OutputSink().note(f"error: {exc}")
             return exc.exit_code
-        return _main(parser, args, sink)
+        return _main(parser, args, OutputSink(tag=args.tag_output))  # the run's one sink
     except BrokenPipeError:  # ddlrun --dry-run ... | head -1
         silence(sys.stdout)
         return 141  # 128 + SIGPIPE, what a shell shows for a writer whose reader left
@@ -603,6 +472,7 @@ def warn_unset(cfg: Config, environ: Mapping[str, str], sink: OutputSink) -> Non
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: OutputSink) -> int:
+    """The modes that run no job (--check-build, --cleanup), then preflight, plan, act."""
     try:
         if args.check_build:
             if args.program:
@@ -619,62 +489,15 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
             raise UsageError("no program given: ddlrun [options] program [args...]")
         warn_unset(cfg, os.environ, sink)
         backend = get_backend(cfg.launcher, cfg.options)
-        facts: dict[str, HostFacts] = {}
-        can_probe = cfg.launcher != "slurm"  # srun places ranks itself
-        binds = not cfg.per_node or cfg.request.node_rank == 0  # host 0 binds the ports
-        ports = job_ports(cfg, cfg.master_port, os.environ) if binds else {}
-        if cfg.check or (cfg.preflight and not cfg.dry_run and can_probe):
-            facts, results = gather_facts(cfg, backend, list(ports))
-            table = version_table(results)
-            problems = check(results, cfg.request.network_interface, ports)
-            if cfg.check or cfg.verbose:
-                print(table, flush=True)
-            if problems:
-                raise PreflightError(problems, table)
-            if cfg.check:
-                sink.note(f"preflight ok: {len(results)} host(s)")
-                return 0
-        elif cfg.dry_run:
-            here = {socket.gethostname()}
-            facts = {h.name: facts_from_probe(probe((), None)) for h in cfg.request.hosts
-                     if is_local(h.name, here)}
-        job_id = cfg.job_id or new_job_id()
-        host0 = cfg.request.hosts[0].name
-        port = cfg.master_port or (facts.get(host0) and facts[host0].free_port)
-        if not port:
-            port = pick_free_pair() if is_local(host0, {socket.gethostname()}) else 29500
-        if cfg.per_node:
-            # every node's ddlrun must hand the same secret: only the user's can be that
-            secret_env = {k: os.environ[k] for k in SECRET_SOURCES if os.environ.get(k)}
-            if not secret_env and not any(k in SECRET_SOURCES for k, _ in cfg.request.env):
-                sink.note("warning: no DDL_JOB_SECRET or DDL_JOB_SECRET_FILE in this "
-                          "environment: the job's rendezvous is open to anyone who can reach "
-                          "MASTER_ADDR:MASTER_PORT (set one, the same on every node)")
-        else:
-            secret_env = job_secret_env(cfg.request, os.environ)
-        plan = make_plan(cfg.request, facts, job_id, port, os.environ, secret_env,
-                         export_job_id=not cfg.per_node or cfg.job_id is not None)
-        backend.validate(plan)
-        if cfg.dry_run:
-            print(describe(plan, cfg.options.cwd))
-            for argv_ in backend.commands(plan):
-                print("command: " + shlex.join(argv_))
-            sys.stdout.flush()
+        facts = preflight(cfg, backend, sink, os.environ)
+        if cfg.check:
             return 0
-        sweep_at_start(sink)
-        if cfg.verbose:
-            sink.note(describe(plan, cfg.options.cwd))
-        if (cfg.launcher != "local" or cfg.verbose) and not backend.notes_own_command:
-            for argv_ in backend.commands(plan):
-                sink.note("running: " + shlex.join(argv_))
-        logs = log_paths(cfg.log_dir, job_id, (r.rank for r in plan.ranks))
-        sink = OutputSink(tag=cfg.options.tag_output, logs=logs)
-        try:
-            with signals_raise():
-                outcome = supervise(plan, backend, sink, cfg.timeout, cfg.options.grace)
-        finally:
-            sink.close()
-        return outcome.code
+        inputs = job_inputs(cfg, facts, os.environ)
+        for note in inputs.notes:
+            sink.note(note)
+        plan = plan_job(cfg, facts, inputs, os.environ)
+        backend.validate(plan)
+        return act(cfg, plan, backend, sink)
     except PreflightError as exc:
         if exc.table and not (args.check or args.verbose):
             print(exc.table, file=sys.stderr)

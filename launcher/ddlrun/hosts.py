@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from . import envs
 from .errors import UsageError
 
 _HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\])$")
@@ -136,10 +137,10 @@ def expand_nodelist(text: str) -> list[str]:
     """Expand a Slurm node list: ``node[01-04,07],gpu5`` -> node01..node04, node07, gpu5.
     Several bracket groups (``r[1-2]n[1-2]``) expand as a product, left to right."""
     out: list[str] = []
-    for item in _split_top(text, "SLURM_JOB_NODELIST"):
+    for item in _split_top(text, envs.SLURM_JOB_NODELIST):
         out.extend(_expand_item(item))
     for name in out:
-        validate_hostname(name, "SLURM_JOB_NODELIST")
+        validate_hostname(name, envs.SLURM_JOB_NODELIST)
     return out
 
 
@@ -197,8 +198,9 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def slurm_hosts(env: Mapping[str, str]) -> tuple[HostSpec, ...]:
-    names = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-    tasks = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE")
+    names = expand_nodelist(env.get(envs.SLURM_JOB_NODELIST)
+                            or env.get(envs.SLURM_NODELIST, ""))
+    tasks = env.get(envs.SLURM_TASKS_PER_NODE) or env.get(envs.SLURM_STEP_TASKS_PER_NODE)
     if tasks:
         counts = expand_tasks_per_node(tasks)
         if len(counts) == len(names):
@@ -213,15 +215,14 @@ def parse_lsb_mcpu_hosts(text: str) -> tuple[HostSpec, ...]:
     if len(fields) % 2:
         raise UsageError(f"LSB_MCPU_HOSTS: expected 'host count' pairs, got {text!r}")
     hosts = tuple(
-        HostSpec(validate_hostname(h, "LSB_MCPU_HOSTS"), _slots(c, "LSB_MCPU_HOSTS"))
+        HostSpec(validate_hostname(h, envs.LSB_MCPU_HOSTS), _slots(c, envs.LSB_MCPU_HOSTS))
         for h, c in zip(fields[::2], fields[1::2], strict=True)
     )
-    return _no_duplicates(hosts, "LSB_MCPU_HOSTS")
+    return _no_duplicates(hosts, envs.LSB_MCPU_HOSTS)
 
 
-def parse_lsb_hostfile(lines: Iterable[str], source: str = "LSB_DJOB_HOSTFILE") -> tuple[
-    HostSpec, ...
-]:
+def parse_lsb_hostfile(lines: Iterable[str],
+                       source: str = envs.LSB_DJOB_HOSTFILE) -> tuple[HostSpec, ...]:
     """One host name per slot (repeated), in order: counted into slots."""
     counts: dict[str, int] = {}
     for lineno, raw in enumerate(lines, 1):
@@ -237,11 +238,11 @@ def parse_lsb_hostfile(lines: Iterable[str], source: str = "LSB_DJOB_HOSTFILE") 
 def lsf_hosts(env: Mapping[str, str], read_lines=None) -> tuple[HostSpec, ...]:
     """Hosts of an LSF allocation; ``read_lines(path)`` is the seam for LSB_DJOB_HOSTFILE.
     LSF lists the launch host first; it runs ranks like any other host."""
-    path = env.get("LSB_DJOB_HOSTFILE")
+    path = env.get(envs.LSB_DJOB_HOSTFILE)
     if path:
         reader = read_lines or _read_lines
         return parse_lsb_hostfile(reader(path), path)
-    return parse_lsb_mcpu_hosts(env.get("LSB_MCPU_HOSTS", ""))
+    return parse_lsb_mcpu_hosts(env.get(envs.LSB_MCPU_HOSTS, ""))
 
 
 def _read_lines(path: str) -> list[str]:
@@ -254,9 +255,11 @@ def _read_lines(path: str) -> list[str]:
 
 def detect_allocation(env: Mapping[str, str]) -> str | None:
     """'slurm', 'lsf' or None: which scheduler allocation ddlrun runs inside."""
-    if env.get("SLURM_JOB_ID") and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
+    slurm_hosts_given = env.get(envs.SLURM_JOB_NODELIST) or env.get(envs.SLURM_NODELIST)
+    if env.get(envs.SLURM_JOB_ID) and slurm_hosts_given:
         return "slurm"
-    if env.get("LSB_JOBID") and (env.get("LSB_DJOB_HOSTFILE") or env.get("LSB_MCPU_HOSTS")):
+    lsf_hosts_given = env.get(envs.LSB_DJOB_HOSTFILE) or env.get(envs.LSB_MCPU_HOSTS)
+    if env.get(envs.LSB_JOBID) and lsf_hosts_given:
         return "lsf"
     return None
 

@@ -125,12 +125,20 @@ class OutputSink:
         self._lock = threading.Lock()
         self._tails: dict[int, deque[str]] = {}
         self._tail_lines = tail_lines
-        self.logs = dict(logs or {})
+        self.logs: dict[int, LogPaths] = {}
         self._files: dict[tuple[int, str], TextIO] = {}
-        for rank, paths in self.logs.items():
+        self.open_logs(logs or {})
+
+    def open_logs(self, logs: Mapping[int, LogPaths]) -> None:
+        """Start writing these ranks' logs (ddlrun opens them once the job id, which names
+        their folder, is drawn: the notes before it go to the terminal only)."""
+        for rank, paths in logs.items():
             os.makedirs(os.path.dirname(paths.stdout), exist_ok=True)
-            self._files[(rank, "stdout")] = open(paths.stdout, "w", encoding="utf-8", newline="")  # noqa: SIM115
-            self._files[(rank, "stderr")] = open(paths.stderr, "w", encoding="utf-8", newline="")  # noqa: SIM115
+            with self._lock:
+                self.logs[rank] = paths
+                for stream, path in (("stdout", paths.stdout), ("stderr", paths.stderr)):
+                    self._files[(rank, stream)] = open(  # noqa: SIM115 - closed in close()
+                        path, "w", encoding="utf-8", newline="")
 
     def line(self, rank: int, stream: str, text: str) -> None:
         """One line (or a piece of a long one) of a rank. The terminal gets it tagged and

@@ -2,33 +2,13 @@
 randomness (the job id, master port and job secret come in as inputs), so tests assert on
 it directly.
 
-Env contract, for every rank (torchrun-compatible, so unchanged torch scripts run):
-
-=================  ===========================================================
-RANK               global rank, 0..WORLD_SIZE-1
-WORLD_SIZE         number of ranks in the job
-LOCAL_RANK         rank among the processes on this host
-LOCAL_WORLD_SIZE   processes on this host
-GROUP_RANK         index of this host in the job (node rank), 0..hosts-1
-MASTER_ADDR        address of host 0 (its --network-interface address when given)
-MASTER_PORT        free port on host 0 for rendezvous
-DDL_OPTIONS        IBM DDL options, e.g. ``-mode p:4x2`` (omitted with --no_ddloptions)
-DDL_JOB_ID         unique job id ``[A-Za-z0-9_.]{1,64}``; scopes shared memory
-DDL_JOB_SECRET     the job's secret (new per job), unless the user set DDL_JOB_SECRET or
-                   DDL_JOB_SECRET_FILE, which then travel instead; never on a command line
-                   and shown as ``<secret>`` (see ``SECRET_ENV``)
-DDL_HOST_INDEX     same as GROUP_RANK; scopes shared memory per host
-DDL_HOSTS          comma-separated host list of the job, in host-index order
-CUDA_VISIBLE_DEVICES  left as the user has it (all GPUs visible: ``local_rank`` indexes
-                   them, as under torchrun); set to the host's GPUs with --include/--exclude
-                   GPU lists, to the rank's one GPU with --bind-gpus
-TORCHELASTIC_RUN_ID, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME,
-TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS   as torchrun sets them (run id = the
-                   job id), so ``torch.distributed.is_torchelastic_launched()`` is True
-OMP_NUM_THREADS    cores per host // local ranks (min 1), only if not set by the user
-GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME   with --network-interface
-NCCL_IB_DISABLE=1  with --tcp
-=================  ===========================================================
+Env contract, for every rank (torchrun-compatible, so unchanged torch scripts run): the
+variables of ``ddlrun.envs`` (the registry: each one's meaning is written there once), kinds
+``rank`` (RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT,
+DDL_OPTIONS DDL_JOB_ID DDL_JOB_SECRET DDL_HOST_INDEX DDL_HOSTS) and ``torchrun`` (what
+torchrun sets, so ``torch.distributed.is_torchelastic_launched()`` is True), plus the
+``option`` ones where their option asks (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, the socket
+interfaces, NCCL_IB_DISABLE). The secret's value is never printed (``masked``).
 """
 
 from __future__ import annotations
@@ -36,38 +16,17 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .errors import UsageError
+from . import envs
+from .errors import LaunchError, UsageError
 from .hosts import HostSpec, is_local
 from .shm import job_id_rule
 
-RANK_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "DDL_OPTIONS",
-    "DDL_JOB_ID",
-    "DDL_JOB_SECRET",
-    "DDL_HOST_INDEX",
-    "DDL_HOSTS",
-    "OMP_NUM_THREADS",
-    "TORCHELASTIC_RUN_ID",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-)
-SECRET_ENV = ("DDL_JOB_SECRET",)  # values never printed (describe, -v, --dry-run)
-SECRET_SOURCES = ("DDL_JOB_SECRET", "DDL_JOB_SECRET_FILE")  # either: the user has a secret
 MASK = "<secret>"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-DEFAULT_MODE = "p"
 
 
 @dataclass(frozen=True)
@@ -348,7 +307,7 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | Non
     per_host: dict[int, int] = {}
     for host, _ in placement:
         per_host[host] = per_host.get(host, 0) + 1
-    mode = req.mode or DEFAULT_MODE
+    mode = req.mode or default_mode()
     letters, _, dims = mode.partition(":")
     if dims:
         spec = mode
@@ -365,6 +324,18 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | Non
         raise UsageError(f"--mode {mode!r}: grid {dims} has {math.prod(shape)} ranks, "
                          f"job has {world}")
     return " ".join(("-mode", spec, *req.ddloptions))
+
+
+def default_mode() -> str:
+    """The mode letters when ``-m`` gives none: the core's own default
+    (``ddl.options.DEFAULT_MODE``, the one source), so a job under ddlrun and one started
+    by hand run the same algorithm."""
+    try:
+        from ddl.options import DEFAULT_MODE
+    except ImportError:
+        raise LaunchError("ddlrun: cannot import ddl for its default mode: give the letters "
+                          "with -m/--mode (r, n, b, p), or reinstall powerddl") from None
+    return DEFAULT_MODE
 
 
 def _parse_mode(spec: str, given: str) -> tuple[int, ...] | None:
@@ -407,18 +378,18 @@ def rank_env(
     """The per-rank part of the env contract (shared with ``ddlrun.rankenv`` for mpirun and
     srun, where it is computed on the rank's host)."""
     env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_size),
-        "GROUP_RANK": str(host_index),
-        "DDL_HOST_INDEX": str(host_index),
-        "ROLE_RANK": str(rank),
+        envs.RANK: str(rank),
+        envs.LOCAL_RANK: str(local_rank),
+        envs.LOCAL_WORLD_SIZE: str(local_size),
+        envs.GROUP_RANK: str(host_index),
+        envs.DDL_HOST_INDEX: str(host_index),
+        envs.ROLE_RANK: str(rank),
     }
     dev = gpus.visible(local_rank) if gpus else None
     if dev is not None:
-        env["CUDA_VISIBLE_DEVICES"] = dev
-    if "OMP_NUM_THREADS" not in user_env:
-        env["OMP_NUM_THREADS"] = str(max(1, facts.cores // max(1, local_size)))
+        env[envs.CUDA_VISIBLE_DEVICES] = dev
+    if envs.OMP_NUM_THREADS not in user_env:
+        env[envs.OMP_NUM_THREADS] = str(max(1, facts.cores // max(1, local_size)))
     return env
 
 
@@ -445,6 +416,117 @@ def _user_env(req: Request, environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where the ranks go: ``placement`` (host index in ``req.hosts``, local rank) in rank
+    order; ``used`` the hosts that got ranks (the others drop out of the plan); with one
+    ddlrun per node, ranks are offset by this node's share."""
+
+    placement: tuple[tuple[int, int], ...]
+    used: tuple[int, ...]
+    local_size: tuple[int, ...]  # per used host
+    offset: int
+    world: int
+    nnodes: int
+    per_node: bool
+
+
+def _layout(req: Request, placement: Sequence[tuple[int, int]]) -> _Layout:
+    counts = Counter(h for h, _ in placement)
+    used = tuple(sorted(counts))
+    local_size = tuple(counts[h] for h in used)
+    per_node = req.node_rank is not None
+    nnodes = req.nnodes or 1
+    return _Layout(
+        placement=tuple(placement),
+        used=used,
+        local_size=local_size,
+        offset=req.node_rank * len(placement) if per_node else 0,
+        world=len(placement) * nnodes if per_node else len(placement),
+        nnodes=nnodes,
+        per_node=per_node,
+    )
+
+
+def _whole_job(layout: _Layout) -> list[tuple[int, int]]:
+    """Every rank of the job (all nodes when one ddlrun runs per node): what the grid of
+    DDL_OPTIONS describes."""
+    if not layout.per_node:
+        return list(layout.placement)
+    return [(n, local) for n in range(layout.nnodes) for _, local in layout.placement]
+
+
+def _gpus_per_host(req: Request, facts: Mapping[str, HostFacts],
+                   environ: Mapping[str, str], user_env: Mapping[str, str]) -> list[HostGpus]:
+    """The GPUs of every host; ranks on this host inherit ddlrun's CUDA_VISIBLE_DEVICES
+    unless ``-x`` gives one."""
+    theirs = user_env.get(envs.CUDA_VISIBLE_DEVICES)
+    return [host_gpus(req, h, facts.get(h.name),
+                      theirs if theirs is not None or not is_local(h.name)
+                      else environ.get(envs.CUDA_VISIBLE_DEVICES))
+            for h in req.hosts]
+
+
+def _common_env(req: Request, facts: Mapping[str, HostFacts], layout: _Layout,
+                hosts: Sequence[HostSpec], job_id: str, master_port: int,
+                options: str | None, user_env: Mapping[str, str],
+                secret_env: Mapping[str, str], export_job_id: bool) -> dict[str, str]:
+    """The env every rank shares: the user's ``-x``, the secret, the contract's job-wide
+    variables and those of --network-interface / --tcp."""
+    common = dict(user_env)
+    common.update(secret_env)
+    common.update({
+        envs.WORLD_SIZE: str(layout.world),
+        envs.MASTER_ADDR: _master_addr(req, hosts[0], facts),
+        envs.MASTER_PORT: str(master_port),
+        envs.TORCHELASTIC_RUN_ID: job_id if export_job_id else "none",
+        envs.TORCHELASTIC_RESTART_COUNT: "0",
+        envs.TORCHELASTIC_MAX_RESTARTS: "0",
+        envs.GROUP_WORLD_SIZE: str(layout.nnodes if layout.per_node else len(hosts)),
+        envs.ROLE_WORLD_SIZE: str(layout.world),
+        envs.ROLE_NAME: "default",
+    })
+    if export_job_id:
+        common[envs.DDL_JOB_ID] = job_id
+    if not layout.per_node:  # one ddlrun per node knows only its own host
+        common[envs.DDL_HOSTS] = ",".join(h.name for h in hosts)
+    if options is not None:
+        common[envs.DDL_OPTIONS] = options
+    if req.network_interface:
+        common[envs.GLOO_SOCKET_IFNAME] = req.network_interface
+        common[envs.NCCL_SOCKET_IFNAME] = req.network_interface
+    if req.tcp:
+        common[envs.NCCL_IB_DISABLE] = "1"
+    return common
+
+
+def _rank_specs(req: Request, facts: Mapping[str, HostFacts], layout: _Layout,
+                hosts: Sequence[HostSpec], common: Mapping[str, str],
+                omp_set: Mapping[str, str], gpus_of: Sequence[HostGpus]
+                ) -> dict[int, list[RankSpec]]:
+    """Every rank's argv and whole env, by (new) host index."""
+    per_host: dict[int, list[RankSpec]] = {i: [] for i in range(len(hosts))}
+    new_index = {old: new for new, old in enumerate(layout.used)}  # rankless hosts drop out
+    for rank, (old, local) in enumerate(layout.placement):
+        index = new_index[old]
+        host = hosts[index]
+        node = req.node_rank if layout.per_node else index
+        env = dict(common)
+        env.update(rank_env(layout.offset + rank, local, layout.local_size[index], node,
+                            facts.get(host.name, HostFacts()), omp_set, gpus_of[old]))
+        per_host[index].append(RankSpec(layout.offset + rank, local, index, host.name,
+                                        req.program, tuple(sorted(env.items()))))
+    return per_host
+
+
+def _check_inputs(req: Request, job_id: str, master_port: int) -> None:
+    if not req.program:
+        raise UsageError("no program given: ddlrun [options] program [args...]")
+    validate_job_id(job_id)
+    if not 0 < master_port < 65536:
+        raise UsageError(f"--master-port {master_port} is out of range 1-65535")
+
+
 def make_plan(
     req: Request,
     facts: Mapping[str, HostFacts],
@@ -459,85 +541,30 @@ def make_plan(
     a new secret or passes the user's on: drawing one is a side effect). Without
     ``export_job_id`` (one ddlrun per node, no --rdzv-id) DDL_JOB_ID is left unset so ddl
     agrees one at init; ``job_id`` then only names this launcher's logs."""
-    if not req.program:
-        raise UsageError("no program given: ddlrun [options] program [args...]")
-    validate_job_id(job_id)
-    if not 0 < master_port < 65536:
-        raise UsageError(f"--master-port {master_port} is out of range 1-65535")
+    _check_inputs(req, job_id, master_port)
     user_env = _user_env(req, environ)
-    theirs = user_env.get("CUDA_VISIBLE_DEVICES")
-    gpus_of = [host_gpus(req, h, facts.get(h.name),
-                         theirs if theirs is not None or not is_local(h.name)
-                         else environ.get("CUDA_VISIBLE_DEVICES"))
-               for h in req.hosts]
-    placement = assign(req, facts, gpus_of)
-    used = sorted({h for h, _ in placement})
-    remap = {old: new for new, old in enumerate(used)}  # hosts without ranks drop out
-    hosts = [req.hosts[i] for i in used]
-    local_size = {remap[h]: sum(1 for p, _ in placement if p == h) for h in used}
-    per_node = req.node_rank is not None
-    nnodes = req.nnodes or 1
-    offset = req.node_rank * len(placement) if per_node else 0
-    world = len(placement) * nnodes if per_node else len(placement)
-    omp_set = dict(user_env)
-    if "OMP_NUM_THREADS" in environ:
-        omp_set["OMP_NUM_THREADS"] = environ["OMP_NUM_THREADS"]
-
-    whole = ([(n, local) for n in range(nnodes) for _, local in placement] if per_node
-             else placement)
-    options = ddl_options(req, whole)
-    common = dict(user_env)
-    common.update(secret_env or {})
-    common.update(
-        {
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": _master_addr(req, hosts[0], facts),
-            "MASTER_PORT": str(master_port),
-            # torchrun's worker env (frameworks that detect torchrun see it)
-            "TORCHELASTIC_RUN_ID": job_id if export_job_id else "none",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0",
-            "GROUP_WORLD_SIZE": str(nnodes if per_node else len(hosts)),
-            "ROLE_WORLD_SIZE": str(world),
-            "ROLE_NAME": "default",
-        }
-    )
-    if export_job_id:
-        common["DDL_JOB_ID"] = job_id
-    if not per_node:  # one ddlrun per node knows only its own host
-        common["DDL_HOSTS"] = ",".join(h.name for h in hosts)
-    if options is not None:
-        common["DDL_OPTIONS"] = options
-    if req.network_interface:
-        common["GLOO_SOCKET_IFNAME"] = req.network_interface
-        common["NCCL_SOCKET_IFNAME"] = req.network_interface
-    if req.tcp:
-        common["NCCL_IB_DISABLE"] = "1"
-
-    per_host: dict[int, list[RankSpec]] = {i: [] for i in range(len(hosts))}
-    for rank, (old, local) in enumerate(placement):
-        index = remap[old]
-        host = hosts[index]
-        node = req.node_rank if per_node else index
-        env = dict(common)
-        env.update(
-            rank_env(offset + rank, local, local_size[index], node,
-                     facts.get(host.name, HostFacts()), omp_set, gpus_of[old])
-        )
-        per_host[index].append(RankSpec(offset + rank, local, index, host.name, req.program,
-                                        tuple(sorted(env.items()))))
+    gpus_of = _gpus_per_host(req, facts, environ, user_env)
+    layout = _layout(req, assign(req, facts, gpus_of))
+    hosts = [req.hosts[i] for i in layout.used]
+    omp_set = dict(user_env)  # OMP_NUM_THREADS the user set stays theirs
+    if envs.OMP_NUM_THREADS in environ:
+        omp_set[envs.OMP_NUM_THREADS] = environ[envs.OMP_NUM_THREADS]
+    options = ddl_options(req, _whole_job(layout))
+    common = _common_env(req, facts, layout, hosts, job_id, master_port, options, user_env,
+                         secret_env or {}, export_job_id)
+    per_host = _rank_specs(req, facts, layout, hosts, common, omp_set, gpus_of)
+    names = {h.name for h in hosts}
     return JobPlan(
         job_id=job_id,
-        world_size=world,
-        master_addr=common["MASTER_ADDR"],
+        world_size=layout.world,
+        master_addr=common[envs.MASTER_ADDR],
         master_port=master_port,
         ddl_options=options,
-        hosts=tuple(
-            HostPlan(i, h, tuple(per_host[i]), gpus_of[used[i]]) for i, h in enumerate(hosts)
-        ),
+        hosts=tuple(HostPlan(i, h, tuple(per_host[i]), gpus_of[layout.used[i]])
+                    for i, h in enumerate(hosts)),
         program=req.program,
         common_env=tuple(sorted(common.items())),
-        unknown_slots=tuple(n for n in unknown_slots(req, facts) if n in {h.name for h in hosts}),
+        unknown_slots=tuple(n for n in unknown_slots(req, facts) if n in names),
     )
 
 
@@ -575,7 +602,7 @@ _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 def masked(key: str, value: str) -> str:
     """``KEY=VALUE`` for printing, the value quoted: secrets shown as ``<secret>``."""
-    return f"{key}={MASK if key in SECRET_ENV else quote(value)}"
+    return f"{key}={MASK if envs.is_secret(key) else quote(value)}"
 
 
 def describe(plan: JobPlan, cwd: str | None = None) -> str:

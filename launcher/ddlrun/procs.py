@@ -85,11 +85,17 @@ class ProcessSet:
         on_exit: OnExit,
         clock: Callable[[], float] = time.monotonic,
         on_eof: OnEof | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        signal_group: Callable[[int, int], None] = os.killpg,
     ) -> None:
+        """``clock``, ``sleep`` and ``signal_group`` (``os.killpg``) are the seams the
+        fake-clock tests drive: exit times, the teardown deadline and its signals."""
         self._on_line = on_line
         self._on_exit = on_exit
         self._on_eof = on_eof
         self._clock = clock
+        self._sleep = sleep
+        self._signal_group = signal_group
         self.procs: dict[int, subprocess.Popen] = {}
         self.codes: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
@@ -239,23 +245,23 @@ class ProcessSet:
     def signal_all(self, sig: int) -> None:
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
+                self._signal_group(proc.pid, sig)
 
     def close(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
         """Signal every process group, wait until the deadline, then SIGKILL the rest.
         Groups of children that already exited are signalled too (grandchildren)."""
-        deadline = time.monotonic() + timeout
+        deadline = self._clock() + timeout
         if self.running():
             self.signal_all(sig)
             # a stopped process acts on nothing but SIGKILL until it is continued (a shell's
             # `kill` of a stopped job does the same)
             self.signal_all(signal.SIGCONT)
-            while self.running() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            while self.running() and self._clock() < deadline:
+                self._sleep(0.05)
         self.signal_all(signal.SIGKILL)
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - self._clock()))
         for key in list(self.procs):
             self.close_stdin(key)
         for t in self._threads:

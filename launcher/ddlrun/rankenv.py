@@ -14,17 +14,18 @@ import os
 import sys
 from collections.abc import Mapping
 
+from . import envs
 from .plan import HostFacts, HostGpus, rank_env
 
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
+RANK_VARS = envs.RANK_FROM_MANAGER
 
 
 def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
     rank = next((int(env[v]) for v in RANK_VARS if env.get(v, "").isdigit()), None)
     if rank is None:
         raise SystemExit("ddlrun.rankenv: no rank variable set (" + ", ".join(RANK_VARS) + ")")
-    layout = [int(x) for x in env["DDLRUN_RANK_HOSTS"].split(",")]
-    gpus = [HostGpus.decode(x) for x in env.get("DDLRUN_HOST_GPUS", "").split(";") if x]
+    layout = [int(x) for x in env[envs.DDLRUN_RANK_HOSTS].split(",")]
+    gpus = [HostGpus.decode(x) for x in env.get(envs.DDLRUN_HOST_GPUS, "").split(";") if x]
     host = layout[rank]
     local_rank = layout[:rank].count(host)
     local_size = layout.count(host)

@@ -5,7 +5,8 @@ The first failure is the earliest by the time it happened, not the first one hea
 after hearing of one, the supervisor listens ``Backend.settle`` seconds more. Before the
 teardown it asks which running ranks are stopped (``Backend.stuck``): such a rank is named
 first, since its peers only failed waiting for it. The survivors' follow-on errors are
-named, not repeated.
+named, not repeated. (``fail_fast=False`` is for ``ddl.perf.spawn``'s test jobs only: no
+teardown until every rank has ended; ddlrun itself always fails fast.)
 
 Exit codes: the failing rank's code (128+N when killed by signal N); 124 when --timeout
 ran out; 130/143 on SIGINT/SIGTERM; 2 usage errors; 3 preflight failures.
@@ -94,13 +95,20 @@ def supervise(
     timeout: float | None = None,
     grace: float = 5.0,
     clock: Callable[[], float] = time.monotonic,
+    fail_fast: bool = True,
+    events: queue.Queue[Event] | None = None,
 ) -> Outcome:
     """Run the job to its end, its first failure (by the time it happened), its --timeout
-    or a signal; tear it down; report; return the outcome."""
-    events: queue.Queue[Event] = queue.Queue()
+    or a signal; tear it down; report; return the outcome. Without ``fail_fast`` (tests
+    whose ranks must each report how they saw a peer fail) a failure stops nothing: the
+    job runs until every rank has exited or the timeout, and the outcome is still the
+    earliest failure. ``clock`` and ``events`` (the channel the backend reports on, read
+    with a timeout) are the seams of the fake-clock tests, whose queue moves their clock."""
+    events = queue.Queue() if events is None else events
     remaining = {r.rank for r in plan.ranks}
     deadline = clock() + timeout if timeout else None
     outcome: Outcome | None = None
+    seen: list[Event] = []  # failures so far, without fail_fast
     try:
         backend.start(plan, sink, events.put)
         while remaining and outcome is None:
@@ -115,13 +123,18 @@ def supervise(
                     _report_timeout(plan, sink, timeout, outcome.still_running)
                 continue
             _account(ev, remaining)
-            if _failed(ev):
+            if _failed(ev) and not fail_fast:
+                seen.append(ev)
+            elif _failed(ev):
                 failures = [ev, *_settle(events, remaining, clock() + backend.settle, clock)]
                 failures.sort(key=lambda e: e.time)
                 stuck = tuple(s for s in backend.stuck(STUCK_ASK) if s.rank in remaining)
                 outcome = Outcome(_code(failures[0]), failures[0], tuple(sorted(remaining)),
                                   stuck)
                 _report_failure(plan, backend, sink, failures, stuck)
+        if outcome is None and seen:
+            first = min(seen, key=lambda e: e.time)
+            outcome = Outcome(_code(first), first)
     except OSError as exc:  # the program could not be started at all
         sink.note(f"cannot start {exc.filename or plan.program[0]!r}: {exc.strerror}")
         outcome = Outcome(127)

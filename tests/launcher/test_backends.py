@@ -69,7 +69,8 @@ def test_mpirun_command_line():
     assert cmd[cmd.index("foo") + 1] == "x y"
     assert "-x MASTER_ADDR" in s and "-x DDLRUN_RANK_HOSTS" in s and "29500" not in s
     assert cmd[cmd.index("ddlrun.rankenv") + 1:] == ["--", "python", "t.py", "--x", "a b"]
-    assert "--allow-run-as-root" not in get_backend("mpirun", LaunchOptions()).get_cmd(plan())
+    assert "--allow-run-as-root" not in get_backend("mpirun", LaunchOptions()).get_cmd(plan(),
+                                                                                     "/rf")
     assert b.job_env(plan())["DDLRUN_RANK_HOSTS"] == "0,0,1,1"
     with pytest.raises(UsageError):
         parse_mpiargs(["'unterminated"])
@@ -120,9 +121,25 @@ def test_mpirun_rankfile_paths_never_spell_pe(tmp_path, monkeypatch):
     bad = tmp_path / "pe-tmp"
     bad.mkdir()
     monkeypatch.setattr(mpirun.tempfile, "tempdir", str(bad))
-    made = [mpirun.prrte_safe_tmpdir() for _ in range(50)]
-    try:
-        assert all(mpirun.prrte_safe(d) and not d.startswith(str(bad)) for d in made)
-    finally:
-        for d in made:
-            os.rmdir(d)
+    assert mpirun.prrte_safe(mpirun.safe_tmp_base())
+    # a job id that spells "pe" still gets a folder that does not (hex digest)
+    job = make_plan(Request(("p",), (HostSpec("a", 2),)), {}, "pepe.pe", 29500, {})
+    rf = mpirun.plan_rankfile(job, None)
+    assert mpirun.prrte_safe(rf.path) and rf.lines == ("rank 0=a slot=0", "rank 1=a slot=1")
+    assert mpirun.plan_rankfile(job, None) == rf  # the same path at --dry-run and at start
+    mine = mpirun.plan_rankfile(job, "/home/PEte/rf")
+    assert mine.copy_of == "/home/PEte/rf" and mpirun.prrte_safe(mine.path)
+    assert mpirun.plan_rankfile(job, "/srv/rf") == mpirun.Rankfile("/srv/rf")
+
+
+def test_mpirun_rankfile_is_written_in_a_new_private_folder(tmp_path):
+    from ddlrun.backends import mpirun
+
+    job = make_plan(Request(("p",), (HostSpec("a", 2),)), {}, "jw", 29500, {})
+    rf = mpirun.plan_rankfile(job, None, base=str(tmp_path))
+    mpirun.write_rankfile(rf)
+    with open(rf.path) as f:
+        assert f.read() == "rank 0=a slot=0\nrank 1=a slot=1\n"
+    assert os.stat(rf.folder).st_mode & 0o777 == 0o700
+    with pytest.raises(UsageError, match="exists"):
+        mpirun.write_rankfile(rf)  # never into a folder somebody made before us

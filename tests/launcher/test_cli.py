@@ -70,7 +70,7 @@ def test_dry_run_prints_commands_and_env_and_starts_nothing(tmp_path):
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "job dry1: 4 ranks on 2 host(s)" in out
-    assert "DDL_OPTIONS='-mode p:2x2'" in out
+    assert "DDL_OPTIONS='-mode r:2x2'" in out
     assert "[3] env: the remote login environment + common env + DDL_HOST_INDEX=1 GROUP_RANK=1 " \
         "LOCAL_RANK=1" in out
     assert "FOO=bar" in out and "GLOO_SOCKET_IFNAME=eth1" in out
@@ -78,6 +78,32 @@ def test_dry_run_prints_commands_and_env_and_starts_nothing(tmp_path):
     assert not victim.exists()
     res = run_ddlrun("--dry-run", "--launcher", "mpirun", "-H", "nodeA:2,nodeB:2", "true")
     assert "mpirun -np 4 --host nodeA:2,nodeB:2" in res.stdout, res.stderr
+
+
+def test_dry_run_mpirun_prints_the_rankfile_it_will_use_and_the_port_it_took(tmp_path):
+    from ddlrun.backends.mpirun import plan_rankfile
+    from ddlrun.hosts import HostSpec
+    from ddlrun.plan import Request, make_plan
+
+    res = run_ddlrun("--dry-run", "--launcher", "mpirun", "-H", "nodeA:2,nodeB:1",
+                     "--job-id", "dryrf", "true", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    # the path the run will write (planned the same way at start), not a placeholder
+    job = make_plan(Request(("true",), (HostSpec("nodeA", 2), HostSpec("nodeB", 1))), {},
+                    "dryrf", 29500, {})
+    path = plan_rankfile(job, None, base=str(tmp_path)).path
+    lines = res.stdout.splitlines()
+    at = lines.index(f"rankfile: {path} (written at start):")
+    assert lines[at + 1:at + 4] == ["  rank 0=nodeA slot=0", "  rank 1=nodeA slot=1",
+                                    "  rank 2=nodeB slot=0"]
+    assert f"--map-by rankfile:file={path} " in res.stdout
+    assert not os.path.exists(path)  # --dry-run writes nothing
+    # host 0 is not probed in --dry-run: the port it takes is said, not silent
+    assert ("note: MASTER_PORT 29500 (and 29501 for ddl's store) on nodeA, not checked free: "
+            "nodeA was not probed (--dry-run); give --master-port") in res.stderr
+    quiet = run_ddlrun("--dry-run", "--launcher", "mpirun", "-H", "nodeA:2",
+                       "--master-port", "29611", "true")
+    assert "MASTER_PORT=29611" in quiet.stdout and "note: MASTER_PORT" not in quiet.stderr
 
 
 def test_too_many_ranks_message():
@@ -107,7 +133,7 @@ def test_env_contract_local(marker):
         assert e["WORLD_SIZE"] == "3" and e["LOCAL_WORLD_SIZE"] == "3"
         assert e["GROUP_RANK"] == "0" == e["DDL_HOST_INDEX"]
         assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
-        assert e["DDL_OPTIONS"] == "-mode p:3" and e["DDL_JOB_ID"] == "envjob"
+        assert e["DDL_OPTIONS"] == "-mode r:3" and e["DDL_JOB_ID"] == "envjob"
         assert e["DDL_HOSTS"] == "localhost" and e["CUDA_VISIBLE_DEVICES"] is None
         assert int(e["OMP_NUM_THREADS"]) >= 1
         assert e["FROM_X"] == "inherited" and e["FROM_X_VAL"] == "v"
@@ -115,7 +141,7 @@ def test_env_contract_local(marker):
 
 # ---------------------------------------------------------------------------- job secret
 def test_job_secret_is_new_per_job_unless_the_user_has_one():
-    from ddlrun.cli import job_secret_env
+    from ddlrun.steps import job_secret_env
 
     req = cfg("-n", "2", "p").request
     a, b = job_secret_env(req, {}), job_secret_env(req, {})
@@ -161,7 +187,7 @@ def test_mpirun_command_carries_the_secret_by_name_only():
     plan = make_plan(Request(("p",), (HostSpec("a", 1), HostSpec("b", 1))), {}, "j", 29500, {},
                      {"DDL_JOB_SECRET": "s3cr3t-value"})
     backend = get_backend("mpirun", LaunchOptions())
-    cmd = backend.get_cmd(plan)
+    cmd = backend.commands(plan)[0]
     assert "s3cr3t-value" not in " ".join(cmd)
     assert cmd[cmd.index("DDL_JOB_SECRET") - 1] == "-x"
     assert backend.job_env(plan)["DDL_JOB_SECRET"] == "s3cr3t-value"  # mpirun's own env
@@ -171,8 +197,8 @@ def test_mpirun_command_carries_the_secret_by_name_only():
 def test_preflight_checks_the_ports_the_job_binds_and_names_the_taken_one():
     import socket
 
-    from ddlrun.cli import job_ports
     from ddlrun.preflight import ProbeResult, check, pick_free_pair, port_free, probe
+    from ddlrun.steps import job_ports
 
     c = cfg("-n", "2", "p")
     assert list(job_ports(c, 29500, {})) == [29500, 29501]

@@ -44,7 +44,7 @@ def test_slot_defaults_accelerators_gpus_nproc():
 def test_env_contract_for_every_rank():
     facts = {"a": HostFacts(cores=8, gpus=2), "b": HostFacts(cores=8, gpus=2)}
     p = plan_of(Request(PROG, hosts(("a", 2), ("b", 2))), facts)
-    assert p.world_size == 4 and p.master_addr == "a" and p.ddl_options == "-mode p:2x2"
+    assert p.world_size == 4 and p.master_addr == "a" and p.ddl_options == "-mode r:2x2"
     envs = [r.env_dict() for r in p.ranks]
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
@@ -77,15 +77,15 @@ def test_no_gpus_no_cuda_visible_devices_and_user_omp_wins():
 
 def test_ddl_options_grid_racks_aisles_mode_and_opt_out():
     eight = hosts(*[(f"h{i}", 4) for i in range(8)])
-    assert plan_of(Request(PROG, eight)).ddl_options == "-mode p:4x8"
+    assert plan_of(Request(PROG, eight)).ddl_options == "-mode r:4x8"
     assert plan_of(Request(PROG, eight, racks=2, mode="b")).ddl_options == "-mode b:4x4x2"
-    assert plan_of(Request(PROG, eight, racks=4, aisles=2)).ddl_options == "-mode p:4x2x2x2"
+    assert plan_of(Request(PROG, eight, racks=4, aisles=2)).ddl_options == "-mode r:4x2x2x2"
     req = Request(PROG, eight, mode="r:32", ddloptions=("-dump_iter 10", "-dbg_level 1"))
     assert plan_of(req).ddl_options == "-mode r:32 -dump_iter 10 -dbg_level 1"
     assert plan_of(Request(PROG, eight, no_ddloptions=True)).ddl_options is None
     assert "DDL_OPTIONS" not in plan_of(Request(PROG, eight, no_ddloptions=True)).ranks[0].env
     uneven = hosts(("a", 3), ("b", 1))
-    assert plan_of(Request(PROG, uneven)).ddl_options == "-mode p:4"
+    assert plan_of(Request(PROG, uneven)).ddl_options == "-mode r:4"
     for bad in (dict(mode="x"), dict(mode="b:4x4"), dict(racks=3)):
         with pytest.raises(UsageError):
             plan_of(Request(PROG, eight, **bad))

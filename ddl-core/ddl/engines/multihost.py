@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import cost
 from .. import grid as gridmod
 from ..algorithms.dims import GroupDim, ShmDim
 from ..algorithms.multidim import MultiDim
@@ -144,7 +145,8 @@ class MultiHostEngine(DimsEngine):
                     dims.append(ShmDim(eng, d.index))
                 else:
                     group = self.ctx.group(f"d{d.index}l{d.line_id}", d.members, d.position)
-                    dims.append(GroupDim(group, d.index, d.mode))
+                    dims.append(GroupDim(group, d.index, d.mode,
+                                         cost.link_for(d.index, transport)))
             world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
             for dim in dims:
                 if isinstance(dim, GroupDim) and dim.mode == "p":

@@ -2,22 +2,26 @@
 
 Layout of the per-job control segment ``ddl-<job>-h<host>-ctl``::
 
-    header (4 KiB) | one 512-byte control block per local rank | staging area
+    header (4 KiB) | one 2 KiB control block per local rank | staging area
 
-A control block holds the rank's *step counter*, pid, state, global rank and two metadata
-records (one per parity). The staging area holds, per parity, one slot per rank.
+A control block holds the rank's *step counter*, pid, state, global rank (shm_sync) and,
+per parity, a metadata record and a call-identity record (shm_meta). The staging area
+holds, per parity, one slot per rank.
 
 Protocol. Every collective is a sequence of *steps*. In step ``s`` a rank writes only into
 the parity ``s % 2`` part of its own slot (and its metadata record), then publishes
 ``seq = s``, then waits until every peer's counter reaches ``s``, then reads. Because a rank
 enters step ``s + 2`` only after every peer published ``s + 1`` (which they do after they
 finished reading step ``s``), one monotonically increasing counter per rank replaces all
-"done reading" flags: this is double buffering by parity.
+"done reading" flags: this is double buffering by parity. The first step of a collective
+carries the metadata records, checked before anything depends on them.
 
-Store ordering: data is written before the counter and read after it. That is safe on x86
-(stores are not reordered with stores, loads not with loads). On weakly ordered machines
-(POWER, aarch64) the counter is written with a release store and read with an acquire load
-through libatomic, which orders the data around it.
+Call identities. A Horovod-level call's descriptor (ddl.hvd.negotiate) can ride on that
+first step (``fold_identity``) instead of costing a collective of its own: every rank
+reads every descriptor after the step, computes the same MAX, and either all run the data
+phase in that step or all return the MAX to negotiate (``Unfolded``) without reading any
+peer's data. ``exchange_identity`` is the step of a descriptor alone (a joined rank, a
+call that failed here); the ranks that folded theirs meet it in their first step.
 
 Algorithms. Small messages take one step: every rank copies its input into its slot and
 reduces all inputs itself, in rank order, so every rank computes bitwise the same result.
@@ -29,167 +33,81 @@ written in place by the peers, which removes both copies.
 
 from __future__ import annotations
 
-import array
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
-import platform
-import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import identity
-from .. import timeline as _tl
 from ..dtypes import DType
 from ..errors import (
     DDLConfigError,
     DDLError,
     DDLMismatchError,
-    DDLPeerError,
     DDLShmError,
     DDLTimeoutError,
 )
 from ..grid import even_split
 from ..ops import ReduceOp, reduce_into
-from ..runtime import callers_waiting
 from ..tensors import Pieces
 from . import segments
 from .heap import Heap, PeerHeaps
+from .shm_meta import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALONE,
+    BARRIER,
+    BROADCAST,
+    COLL_NAMES,
+    FOLDED,
+    IDENTITY,
+    M_COUNT,
+    M_IN,
+    M_OUT,
+    REDUCE_SCATTER,
+    SPAN_BCAST,
+    SPAN_GATHER,
+    SPAN_KEY,
+    SPAN_REDUCE,
+    Fold,
+    Identities,
+    MetaKey,
+    Records,
+    Unfolded,
+    check_identity,
+    coll_key,
+)
+from .shm_sync import (
+    S_ABORTED,
+    S_ATTACHED,
+    S_CLOSED,
+    S_NONE,
+    W_GRANK,
+    W_PID,
+    W_SEQ,
+    W_STATE,
+    Stepper,
+    default_policy,
+    pid_alive,
+    weakly_ordered,
+)
 
 _log = logging.getLogger("ddl")
+# The one-step allreduce is the latency path: its MetaKey is made without the generated
+# __new__ (tuple.__new__ is the same tuple, a third of the cost) and its key word looked up.
+_new = tuple.__new__
+_ALLREDUCE_KEYS = [coll_key(ALLREDUCE, op) for op in range(16)]
 _MAGIC = 0x4C44445F4D485344  # "DSHM_DDL"
-_LAYOUT = 2
+_LAYOUT = 3
 _HDR = 4096
-_BLOCK = 512
+_BLOCK = 2048
 _W = _BLOCK // 8  # words per control block
 # header words
 H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY, H_TOKEN = range(7)
-# control-block words
-W_SEQ, W_PID, W_STATE, W_GRANK, W_SLEEP = 0, 1, 2, 3, 4
-W_META = (16, 32)  # metadata record per parity, 16 words each
-M_KEY, M_DTYPE, M_COUNT, M_SHAPE, M_ROOT, M_IN, M_OUT, M_NDIM, M_DIMS = range(9)
-_MAX_DIMS = 7
-# word spans compared across ranks: [lo, hi)
-_SPAN_KEY = ((M_KEY, M_KEY + 1),)
-_SPAN_REDUCE = ((M_KEY, M_SHAPE + 1),)  # op, dtype, count, shape
-_SPAN_GATHER = ((M_KEY, M_DTYPE + 1), (M_SHAPE, M_SHAPE + 1))  # counts may differ
-_SPAN_BCAST = ((M_KEY, M_ROOT + 1),)
-S_NONE, S_ATTACHED, S_ABORTED, S_CLOSED = 0, 1, 2, 3
-
-BARRIER, ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER = 1, 2, 3, 4, 5
-_COLL_NAMES = {1: "barrier", 2: "allreduce", 3: "allgather", 4: "broadcast", 5: "reduce_scatter"}
-
-
-def _key(coll: int, op: int = 0) -> int:
-    return coll * 16 + op
-
-
-def _describe_key(key: int) -> str:
-    coll, op = divmod(key, 16)
-    name = _COLL_NAMES.get(coll, f"op#{coll}")
-    return f"{name}({ReduceOp(op).name.title()})" if op else name
-
-
-def _shape_hash(shape: tuple[int, ...]) -> int:
-    return hash(tuple(int(d) for d in shape)) & ((1 << 62) - 1)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # state is the field after "(comm)"; a zombie has exited already.
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (FileNotFoundError, IndexError):
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-
-
-def _weakly_ordered() -> bool:
-    return platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
-
-
-class _Atomics:
-    """Release stores / acquire loads of 8-byte words through libatomic (non-x86)."""
-
-    def __init__(self, mm: mmap.mmap):
-        path = ctypes.util.find_library("atomic")
-        if not path:
-            raise DDLShmError(
-                "this CPU is weakly ordered and libatomic was not found; install libatomic1 "
-                "(the shared-memory engine needs release/acquire counters here)"
-            )
-        lib = ctypes.CDLL(path)
-        self._store = getattr(lib, "__atomic_store_8")  # (no name mangling)
-        self._store.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-        self._store.restype = None
-        self._load = getattr(lib, "__atomic_load_8")
-        self._load.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        self._load.restype = ctypes.c_int64
-        self._anchor = ctypes.c_char.from_buffer(mm)
-        self._base = ctypes.addressof(self._anchor)
-
-    def store(self, word: int, value: int) -> None:
-        self._store(self._base + 8 * word, value, 3)  # __ATOMIC_RELEASE
-
-    def load(self, word: int) -> int:
-        return self._load(self._base + 8 * word, 2)  # __ATOMIC_ACQUIRE
-
-    def close(self) -> None:
-        del self._anchor
-
-
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221,
-              "ppc64": 221, "s390x": 238, "riscv64": 98}.get(platform.machine().lower())
-
-
-class _Futex:
-    """Sleep in the kernel until a peer's counter moves (FUTEX_WAIT on its low 32 bits).
-
-    When ranks outnumber cores, spinning or yielding wastes the core the late peer needs;
-    a futex hands it over and the arriving rank wakes the sleepers.
-    """
-
-    def __init__(self, mm: mmap.mmap):
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._syscall = libc.syscall
-        self._syscall.restype = ctypes.c_long
-        self._anchor = ctypes.c_char.from_buffer(mm)
-        self._base = ctypes.addressof(self._anchor) + (0 if _LITTLE else 4)
-        self._ts = _Timespec(0, 2_000_000)  # re-check liveness every 2 ms at most
-        self._ts_ref = ctypes.byref(self._ts)
-
-    def wait(self, word: int, seen: int) -> None:
-        v = seen & 0xFFFFFFFF
-        if v >= 1 << 31:
-            v -= 1 << 32
-        self._syscall(_SYS_FUTEX, ctypes.c_void_p(self._base + 8 * word), 0, ctypes.c_int(v),
-                      self._ts_ref, None, 0)
-
-    def wake(self, word: int) -> None:
-        self._syscall(_SYS_FUTEX, ctypes.c_void_p(self._base + 8 * word), 1,
-                      ctypes.c_int(0x7FFFFFFF), None, None, 0)
-
-    def close(self) -> None:
-        del self._anchor
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_LITTLE = __import__("sys").byteorder == "little"
-_MAIN_THREAD = threading.main_thread()
 
 
 def _parts(src: np.ndarray | Pieces, lo: int, hi: int) -> list:
@@ -211,6 +129,23 @@ def _write(dst: np.ndarray | Pieces, lo: int, hi: int, data: np.ndarray) -> None
         dst.copy_from(lo, hi, data)
     else:
         np.copyto(dst[lo:hi], data)
+
+
+class _Chunks(NamedTuple):
+    """How a reduce-scatter (and the allgather after it) walks the data. Rank ``i`` owns
+    the elements ``[starts[i], starts[i] + counts[i])``; chunk ``t`` covers elements
+    ``[t * share, (t + 1) * share)`` of every rank's part. A staged slot holds, for one
+    chunk, ``share`` elements of every part (the inputs its reducers read) and then
+    ``share`` elements of its own reduced part (what the others collect)."""
+
+    share: int
+    chunks: int  # chunks of the largest part
+    counts: list[int]
+    starts: list[int]
+    in_views: list  # peer i's input read in place from its heap, or None (staged)
+    out_views: list  # peer i's output written in place in its heap, or None (it collects)
+    publish: bool  # some rank collects our reduced part from our slot
+    block: int  # elements reduced, then passed on, at a time: while they are in cache
 
 
 class ShmEngine:
@@ -263,20 +198,8 @@ class ShmEngine:
         self.slot_bytes = slot
         self.small_bytes = min(small_bytes, slot)
         self.block_bytes = block_bytes
-        if hasattr(os, "sched_getaffinity"):
-            ncores = len(os.sched_getaffinity(0))
-        else:
-            ncores = os.cpu_count()
-        if wait_policy == "auto":
-            wait_policy = "futex" if n > (ncores or 1) else "spin"
-        self.wait_policy = wait_policy
-        # spin: poll ~2000 times before yielding; yield: give the core away at once (ranks
-        # outnumber cores); futex: sleep almost at once. All end in a futex sleep.
-        self._spin, self._yields = {"spin": (2000, 64), "yield": (0, 64), "futex": (0, 2)}[
-            wait_policy
-        ]
+        self.wait_policy = default_policy(n) if wait_policy == "auto" else wait_policy
         self._failed: BaseException | None = None
-        self._seq = 0
         self._dump_iter = dump_iter
         self._calls = 0
         self._wall = 0.0
@@ -288,11 +211,8 @@ class ShmEngine:
         self._mm = self._create_or_attach(total, init_timeout)
         self._qb = memoryview(self._mm)[: self._ctl_bytes]
         self._q = self._qb.cast("q")
-        self._meta_cache: dict[tuple, memoryview] = {}
         self._view_cache: dict[tuple, tuple] = {}
-        weak = _weakly_ordered() if fences is None else fences
-        self._atomics = _Atomics(self._mm) if weak else None
-        self._futex = _Futex(self._mm) if _SYS_FUTEX is not None else None
+        self._fences = weakly_ordered() if fences is None else fences
         self._staging = np.frombuffer(self._mm, np.uint8, count=2 * n * slot, offset=staging_off)
         self._slots = [
             [self._staging[(p * n + i) * slot : (p * n + i + 1) * slot] for i in range(n)]
@@ -302,8 +222,6 @@ class ShmEngine:
         self._blk = [_HDR // 8 + i * _W for i in range(n)]
         self._my = self._blk[local_rank]
         self._peers = [i for i in range(n) if i != local_rank]
-        self._peer_seq = [(i, self._blk[i] + W_SEQ) for i in self._peers]
-        self._peer_sleep = [self._blk[i] + W_SLEEP for i in self._peers]
         self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope)
         self._peer_heaps = PeerHeaps(job_id, host_index, scope)
         try:
@@ -314,6 +232,14 @@ class ShmEngine:
             if self.rank == 0:
                 segments.unlink(self._name)
             raise
+        self._step = Stepper(self._mm, self._q, self._blk, local_rank,
+                             granks=self._peer_grank, pids=self._peer_pid,
+                             timeout=self.timeout, policy=self.wait_policy,
+                             fences=self._fences)
+        self._records = Records(self._q, self._qb, self._blk, local_rank, self._peer_grank)
+        self._words = np.frombuffer(self._mm, np.int64, count=self._ctl_bytes // 8)
+        self._idents = Identities(self._q, self._qb, self._words, self._blk, local_rank, _W)
+        self._fold: Fold | None = None
 
     # ------------------------------------------------------------------ setup
     def _create_or_attach(self, total: int, init_timeout: float) -> mmap.mmap:
@@ -338,7 +264,7 @@ class ShmEngine:
             try:
                 mm = segments.open_existing(self._name)
                 q = memoryview(mm)[:_HDR].cast("q")
-                ok = q[H_READY] == 1 and q[H_MAGIC] == _MAGIC and _pid_alive(q[H_PID])
+                ok = q[H_READY] == 1 and q[H_MAGIC] == _MAGIC and pid_alive(q[H_PID])
                 if ok and q[H_TOKEN] != self._token:
                     pid = q[H_PID]
                     q.release()
@@ -381,7 +307,7 @@ class ShmEngine:
         pid = q[H_PID]
         q.release()
         mm.close()
-        if pid and _pid_alive(pid) and pid != os.getpid():
+        if pid and pid_alive(pid) and pid != os.getpid():
             raise DDLShmError(
                 f"rank {self.global_rank}: {segments.SHM_DIR}/{self._name} belongs to a running "
                 f"process (pid {pid}): two jobs share job id {self.job_id!r}; give each job its "
@@ -392,7 +318,7 @@ class ShmEngine:
     def _attach(self, init_timeout: float) -> None:
         q, b = self._q, self._my
         other = q[b + W_PID]
-        if q[b + W_STATE] != S_NONE and other != os.getpid() and _pid_alive(other):
+        if q[b + W_STATE] != S_NONE and other != os.getpid() and pid_alive(other):
             raise DDLShmError(
                 f"rank {self.global_rank}: local rank {self.rank} of {self._name} is already "
                 f"taken by pid {other}: two processes claim one rank (two jobs with one "
@@ -421,161 +347,77 @@ class ShmEngine:
         self._q[self._my + W_STATE] = state
 
     # ------------------------------------------------------------- stepping
-    def _arrive(self, seq: int) -> None:
-        if self._atomics is None:
-            self._q[self._my + W_SEQ] = seq
-        else:
-            self._atomics.store(self._my + W_SEQ, seq)
-        self._seq = seq
-        if self._futex is not None:
-            q = self._q
-            for w in self._peer_sleep:
-                if q[w]:
-                    self._futex.wake(self._my + W_SEQ)
-                    break
-
-    def _wait_all(self, seq: int, what: tuple) -> None:
-        q = self._q
-        if self._atomics is None:
-            for i, w in self._peer_seq:
-                if q[w] < seq:
-                    self._wait_slow(i, w, seq, what)
-        else:
-            for i, w in self._peer_seq:
-                if self._atomics.load(w) < seq:
-                    self._wait_slow(i, w, seq, what)
-
-    def _wait_slow(self, peer: int, word: int, seq: int, what: tuple) -> None:
-        """Spin, then yield, then sleep on a futex until the peer's counter reaches seq.
-        Liveness and the timeout are checked every few milliseconds throughout."""
-        load = self._q.__getitem__ if self._atomics is None else self._atomics.load
-        n = 0
-        spin, yields = self._spin, self._yields
-        if threading.current_thread() is not _MAIN_THREAD and not callers_waiting():
-            # Collectives off the main thread (async handles, DDP's comm hook, pipelines)
-            # run beside the user's compute: spinning would take the core it needs. Unless
-            # the caller is blocked waiting for them, which leaves its core idle.
-            spin, yields = 0, 2
-        while n < spin:
-            if load(word) >= seq:
-                return
-            n += 1
-        t0 = time.monotonic()
-        next_probe = t0 + 0.002
-        futex = self._futex
-        q, flag = self._q, self._my + W_SLEEP
-        k = 0
-        traced = _tl.clock() if _tl.recorder is not None else 0.0
-        while True:
-            v = load(word)
-            if v >= seq:
-                if traced:
-                    _tl.phase("peer wait", "wait", traced, _tl.clock(),
-                              {"peer": self._peer_grank[peer], "step": seq, "in": what[0]})
-                return
-            k += 1
-            if futex is None or k <= yields:
-                os.sched_yield()
-                if k & 15:
-                    continue
-            else:
-                q[flag] = 1  # tells the peer to wake us when it arrives
-                if load(word) == v:
-                    futex.wait(word, v)
-                q[flag] = 0
-            now = time.monotonic()
-            if now >= next_probe:
-                self._probe(peer, word, seq, what, now - t0)
-                next_probe = now + 0.01
-                if futex is None and now - t0 > 0.02:
-                    time.sleep(0.0002)  # no futex on this OS: at least do not burn a core
-
-    def _probe(self, peer: int, word: int, seq: int, what: tuple, waited: float) -> None:
-        q = self._q
-        if q[word] >= seq:
-            return  # it arrived (and may have exited since): nothing is wrong
-        b = self._blk[peer]
-        state = q[b + W_STATE]
-        peer_name = f"rank {self._peer_grank[peer]}"
-        if state == S_ABORTED:
-            raise DDLPeerError(f"{self._me()}: {peer_name} aborted during {self._what(what)}")
-        if state == S_CLOSED:
-            raise DDLPeerError(
-                f"{self._me()}: {peer_name} called ddl.shutdown() while this rank waits in "
-                f"{self._what(what)}"
-            )
-        pid = self._peer_pid[peer]
-        if not _pid_alive(pid):
-            raise DDLPeerError(
-                f"{self._me()}: {peer_name} (pid {pid}) died during {self._what(what)}"
-            )
-        if waited > self.timeout:
-            raise DDLTimeoutError(
-                f"{self._me()}: {self._what(what)} timed out after {self.timeout:g}s waiting for "
-                f"{peer_name} (it is at step {q[b + W_SEQ]}, this step is {seq}); is it stuck "
-                "or running a different collective? (DDL_TIMEOUT sets the limit)"
-            )
-
     def _me(self) -> str:
         return f"rank {self.global_rank}"
 
-    @staticmethod
-    def _what(what: tuple) -> str:
-        coll, dtype, count, op = what
-        s = f"{coll}({dtype}[{count}]"
-        return s + (f", {op.name.title()})" if op else ")")
+    def _first_step(self, s: int, key: MetaKey, spans: tuple, what: tuple) -> None:
+        """Step ``s``, the first of a collective: this rank's data for it is written; add
+        its record (and the call identity armed by ``fold_identity``), synchronise, settle
+        the identities, and check that every rank runs the same collective."""
+        p = s & 1
+        fold = self._fold
+        if fold is None:
+            self._records.write(p, key)
+        else:
+            self._fold = None
+            self._records.write(p, key, FOLDED)
+            self._idents.write(p, fold.desc)
+        self._step.arrive(s)
+        self._step.wait_all(s, what)
+        if fold is not None:
+            self._settle_identities(p, fold, what)
+        # (a peer whose step carries an identity while ours does not differs in its key)
+        self._records.check(p, spans, what)
 
-    def _write_meta(self, p: int, key: int, dt: DType | None, count: int, shape: tuple,
-                    root: int = 0, in_loc: int = 0, out_loc: int = 0) -> None:
-        ck = (key, dt.code if dt is not None else 0, count, shape, root, in_loc, out_loc)
-        words = self._meta_cache.get(ck)
-        if words is None:
-            dims = [int(d) for d in shape[:_MAX_DIMS]]
-            rec = [ck[0], ck[1], count, _shape_hash(shape), root, in_loc, out_loc, len(shape)]
-            rec += dims + [0] * (_MAX_DIMS - len(dims))
-            words = memoryview(array.array("q", rec + [0] * (16 - len(rec))))
-            if len(self._meta_cache) > 1024:
-                self._meta_cache.clear()
-            self._meta_cache[ck] = words
-        m = self._my + W_META[p]
-        self._q[m : m + 16] = words
+    def _settle_identities(self, p: int, fold: Fold | None, what: tuple) -> np.ndarray | None:
+        """After a step that carried our identity: the MAX of every rank's descriptor, or
+        ``Unfolded`` (with it) where this rank folded its identity into a data step whose
+        data must not move. Every rank decides from the same records."""
+        flags = self._idents.flags(p)
+        if (fold is not None and fold.same and all(f == FOLDED for f in flags)
+                and self._idents.same(p, fold.same)):
+            return None  # the same call everywhere: the data moves, nothing to compute
+        if not all(flags) or not self._idents.lengths_agree(p):
+            raise DDLMismatchError(self._records.mixed_report(p))
+        result = self._idents.result(p)
+        if fold is not None:
+            if all(f == FOLDED for f in flags) and not fold.stop(result):
+                fold.result = result
+            else:
+                raise Unfolded(result)
+        return result
 
-    def _meta(self, i: int, p: int, field: int) -> int:
-        return self._q[self._blk[i] + W_META[p] + field]
+    def fold_identity(self, fold: Fold) -> None:
+        """Carry ``fold.desc`` in the first step of the next collective on this engine. That
+        collective raises ``Unfolded`` where its data must not move (see the module
+        docstring and ``Fold``)."""
+        check_identity(fold.desc)
+        self._fold = fold
 
-    def _check_meta(self, p: int, spans: tuple[tuple[int, int], ...], what: tuple) -> None:
-        """Raise DDLMismatchError on every rank if any peer's record differs from ours in
-        the given word spans. All ranks read the same records, so all raise together."""
-        qb = self._qb
-        off = W_META[p] * 8
-        mine = self._my * 8 + off
-        for lo, hi in spans:
-            ref = qb[mine + lo * 8 : mine + hi * 8].tobytes()
-            for i in self._peers:
-                b = self._blk[i] * 8 + off
-                if qb[b + lo * 8 : b + hi * 8] != ref:
-                    raise DDLMismatchError(self._mismatch_report(p, what))
+    def cancel_fold(self) -> Fold | None:
+        """Disarm a fold no collective took (the call moved no data here); returns it."""
+        fold, self._fold = self._fold, None
+        return fold
 
-    def _mismatch_report(self, p: int, what: tuple) -> str:
-        from ..dtypes import BY_CODE
+    def exchange_identity(self, desc: np.ndarray) -> np.ndarray:
+        """The MAX of every rank's ``desc``, in place, in one step of its own."""
+        return self._run(self._exchange_identity, desc)
 
-        lines = []
-        for i in range(self.size):
-            b = self._blk[i] + W_META[p]
-            q = self._q
-            nd = q[b + M_NDIM]
-            dims = [q[b + M_DIMS + k] for k in range(min(nd, _MAX_DIMS))]
-            shape = "x".join(map(str, dims)) + ("x..." if nd > _MAX_DIMS else "")
-            dt = BY_CODE.get(q[b + M_DTYPE])
-            root = q[b + M_ROOT]
-            lines.append(
-                f"  rank {self._peer_grank[i]}: {_describe_key(q[b + M_KEY])} "
-                f"{dt.name if dt else '-'}[{shape or 'scalar'}] root/extra={root}"
-            )
-        return (
-            f"{self._me()}: ranks called {what[0]} with different arguments "
-            "(every rank must pass the same op, dtype and shape):\n" + "\n".join(lines)
-        )
+    def _exchange_identity(self, desc: np.ndarray) -> np.ndarray:
+        s = self._step.seq + 1
+        p = s & 1
+        what = ("identity exchange", "int64", desc.size, None)
+        check_identity(desc)
+        self._records.write(p, MetaKey(coll_key(IDENTITY), 0, desc.size, ()), ALONE)
+        self._idents.write(p, desc)
+        self._step.arrive(s)
+        self._step.wait_all(s, what)
+        desc[:] = self._settle_identities(p, None, what)
+        return desc
+
+    def _next_step(self, s: int, what: tuple) -> None:
+        self._step.arrive(s)
+        self._step.wait_all(s, what)
 
     def _run(self, fn: Callable, *args):
         if self._failed is not None:
@@ -585,7 +427,7 @@ class ShmEngine:
             )
         try:
             return fn(*args)
-        except DDLMismatchError:
+        except (DDLMismatchError, Unfolded):
             raise  # every rank saw the same records at the same step: still in sync
         except BaseException as exc:
             self._failed = exc
@@ -600,13 +442,9 @@ class ShmEngine:
         self._run(self._barrier)
 
     def _barrier(self) -> None:
-        s = self._seq + 1
-        p = s & 1
-        self._write_meta(p, _key(BARRIER), None, 0, ())
-        self._arrive(s)
-        what = ("barrier", "-", 0, None)
-        self._wait_all(s, what)
-        self._check_meta(p, _SPAN_KEY, what)
+        s = self._step.seq + 1
+        self._first_step(s, MetaKey(coll_key(BARRIER), 0, 0, ()), SPAN_KEY,
+                         ("barrier", "-", 0, None))
 
     def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
                   op: ReduceOp, shape: tuple[int, ...]) -> None:
@@ -648,130 +486,156 @@ class ShmEngine:
         """dst (counts[rank] elements) = op over ranks of src[offset_r : offset_r + count_r]."""
         self._run(self._reduce_scatter_steps, REDUCE_SCATTER, src, dst, dt, op, shape, counts)
 
-    def _small_views(self, p: int, nbytes: int, st: np.dtype) -> tuple[np.ndarray, list]:
+    def _small_views(self, p: int, nbytes: int, st: np.dtype) -> list[np.ndarray]:
+        """Every rank's slot of parity ``p`` as ``nbytes`` of ``st`` (cached: hot path)."""
         key = (p, nbytes, st)
         v = self._view_cache.get(key)
         if v is None:
             slots = self._slots[p]
-            v = (slots[self.rank][:nbytes], [slots[i][:nbytes].view(st) for i in range(self.size)])
+            v = [slots[i][:nbytes].view(st) for i in range(self.size)]
             if len(self._view_cache) > 256:
                 self._view_cache.clear()
             self._view_cache[key] = v
         return v
 
     def _allreduce_small(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
-        s = self._seq + 1
-        p = s & 1
-        mine, terms = self._small_views(p, src.nbytes, dt.storage)
+        s = self._step.seq + 1
+        terms = self._small_views(s & 1, src.nbytes, dt.storage)
         _read(src, 0, src.size, terms[self.rank])
-        self._write_meta(p, _key(ALLREDUCE, op), dt, src.size, shape)
-        self._arrive(s)
-        what = ("allreduce", dt.name, src.size, op)
-        self._wait_all(s, what)
-        self._check_meta(p, _SPAN_REDUCE, what)
+        self._first_step(s, _new(MetaKey, (_ALLREDUCE_KEYS[op], dt.code, src.size, shape, 0, 0, 0)),
+                         SPAN_REDUCE, ("allreduce", dt.name, src.size, op))
         if isinstance(dst, Pieces):
             for lo, hi, out in dst.cuts(0, dst.size):
                 reduce_into(out, [t[lo:hi] for t in terms], op, dt, self.size)
         else:
             reduce_into(dst, terms, op, dt, self.size)
 
+    def _staged_share(self, itemsize: int) -> int:
+        """Elements of each part per chunk when a slot stages every part and our result."""
+        share = self.slot_bytes // itemsize // (self.size + 1)
+        return share - share % 64 if share >= 64 else share
+
     def _reduce_scatter_steps(self, coll: int, src, dst, dt: DType, op: ReduceOp, shape,
                               counts: list[int]) -> None:
-        n, r = self.size, self.rank
-        N = src.size
-        st = dt.storage
-        isz = dt.itemsize
-        what = (_COLL_NAMES[coll], dt.name, N, op)
+        """Reduce-scatter by chunks; for an allreduce (``coll``) the reduced parts are
+        passed on as they are made, which is the allgather."""
         gather = coll == ALLREDUCE
-        elems = self.slot_bytes // isz
-        c = elems // (n + 1)  # per-rank share of a chunk when staged
-        if c >= 64:
-            c -= c % 64
-        starts = [0] * n
-        for j in range(1, n):
+        what = (COLL_NAMES[coll], dt.name, src.size, op)
+        share = self._staged_share(dt.itemsize)
+        starts = [0] * self.size
+        for j in range(1, self.size):
             starts[j] = starts[j - 1] + counts[j - 1]
-        # Step 1 stages chunk 0 (if our input is private) and carries the metadata: shapes
-        # are checked and buffer locations exchanged before anything else depends on them.
-        s = self._seq + 1
+        # The first step stages chunk 0 (if our input is private) and carries the records:
+        # shapes are checked and heap locations exchanged before anything depends on them.
+        s = self._step.seq + 1
         p = s & 1
         in_loc = 0 if isinstance(src, Pieces) else self.heap.locate(src)
         out_loc = self.heap.locate(dst) if gather and not isinstance(dst, Pieces) else 0
         if not in_loc:
-            self._stage_inputs(src, p, 0, c, counts, starts, st, isz)
-        self._write_meta(p, _key(coll, op), dt, N, shape, 0, in_loc, out_loc)
-        self._arrive(s)
-        self._wait_all(s, what)
-        self._check_meta(p, _SPAN_REDUCE, what)
-        locs_in = [self._meta(i, p, M_IN) for i in range(n)]
-        locs_out = [self._meta(i, p, M_OUT) for i in range(n)]
-        in_views: list[np.ndarray | None] = [None] * n
-        out_views: list[np.ndarray | None] = [None] * n
-        for i in self._peers:
-            if locs_in[i]:
-                in_views[i] = self._peer_heaps.view(i, locs_in[i], N * isz, st)
-            if gather and locs_out[i]:
-                out_views[i] = self._peer_heaps.view(i, locs_out[i], N * isz, st)
-        need_res = gather and not all(locs_out)
-        if all(locs_in) and (not gather or all(locs_out)):
-            c = max(1, max(counts))  # nothing is staged: one chunk, reduced block by block
-        K = -(-max(counts) // c) if max(counts) else 0
-        blk = max(1, self.block_bytes // isz)
-        own_in_private = locs_in[r] == 0
-        own_out_private = gather and locs_out[r] == 0
-        rc = counts[r]
-        extra = 0 if gather or not any(locs_in) else 1  # peers may read our heap to the end
-        for t in range(K + (1 if gather else 0) + extra):
-            if t:  # step 1 above was chunk 0's synchronisation
+            self._stage_inputs(src, p, 0, share, counts, starts, dt)
+        self._first_step(s, MetaKey(coll_key(coll, op), dt.code, src.size, shape, 0, in_loc,
+                                    out_loc), SPAN_REDUCE, what)
+        plan = self._chunk_plan(p, share, counts, starts, src.size, dt, gather)
+        own_in_private = in_loc == 0
+        own_out_private = gather and out_loc == 0
+        # One step more after the last chunk: an allreduce collects the last reduced parts;
+        # a reduce-scatter whose peers read inputs from heaps waits until they are done.
+        trailing = 1 if gather or any(v is not None for v in plan.in_views) or in_loc else 0
+        for chunk in range(plan.chunks + trailing):
+            if chunk:  # the first step above was chunk 0's synchronisation
                 s += 1
                 p = s & 1
-                if t < K and own_in_private:
-                    self._stage_inputs(src, p, t, c, counts, starts, st, isz)
-                self._arrive(s)
-                self._wait_all(s, what)
-            if gather and t >= 1 and own_out_private:
-                a = (t - 1) * c
-                for j in self._peers:
-                    ln = min(counts[j] - a, c)
-                    if ln > 0:
-                        res = self._slots[p][j][n * c * isz : (n * c + ln) * isz].view(st)
-                        _write(dst, starts[j] + a, starts[j] + a + ln, res)
-            if t < K:
-                a = t * c
-                ln = min(rc - a, c)
-                # Reduce in cache-sized blocks and pass each block on while it is hot.
-                base = starts[r] + a  # element at offset 0 of our part of the chunk
-                for b0 in range(0, max(ln, 0), blk):
-                    for lo, hi, mine in _parts(src, base + b0, base + min(b0 + blk, ln)):
-                        k, bl = lo - base, hi - lo  # k: offset inside our part of the chunk
-                        terms = [mine]
-                        for i in self._peers:
-                            if in_views[i] is not None:
-                                terms.append(in_views[i][lo:hi])
-                            else:
-                                o = (r * c + k) * isz
-                                terms.append(self._slots[p][i][o : o + bl * isz].view(st))
-                        if dst is src:
-                            out = mine
-                        else:
-                            out = dst[lo:hi] if gather else dst[a + k : a + k + bl]
-                        reduce_into(out, terms, op, dt, n)
-                        if need_res:
-                            o = (n * c + k) * isz
-                            np.copyto(self._slots[p ^ 1][r][o : o + bl * isz].view(st), out)
-                        if gather:
-                            for j in self._peers:
-                                if out_views[j] is not None:
-                                    np.copyto(out_views[j][lo:hi], out)
+                if chunk < plan.chunks and own_in_private:
+                    self._stage_inputs(src, p, chunk, plan.share, counts, starts, dt)
+                self._next_step(s, what)
+            if own_out_private and chunk:
+                self._collect_results(dst, p, chunk - 1, plan, dt)
+            if chunk < plan.chunks:
+                self._reduce_part(src, dst, p, chunk, plan, dt, op, gather)
 
-    def _stage_inputs(self, src, p: int, t: int, c: int, counts, starts, st, isz) -> None:
-        """Copy chunk t of every part but ours into our slot, where its reducer reads it."""
+    def _chunk_plan(self, p: int, share: int, counts: list[int], starts: list[int],
+                    numel: int, dt: DType, gather: bool) -> _Chunks:
+        """The walk, once every rank's heap locations are known (first step's records)."""
+        records = self._records
+        locs_in = [records.field(i, p, M_IN) for i in range(self.size)]
+        locs_out = [records.field(i, p, M_OUT) if gather else 0 for i in range(self.size)]
+        in_views: list[np.ndarray | None] = [None] * self.size
+        out_views: list[np.ndarray | None] = [None] * self.size
+        nbytes, st = numel * dt.itemsize, dt.storage
+        for i in self._peers:
+            if locs_in[i]:
+                in_views[i] = self._peer_heaps.view(i, locs_in[i], nbytes, st)
+            if locs_out[i]:
+                out_views[i] = self._peer_heaps.view(i, locs_out[i], nbytes, st)
+        if all(locs_in) and (not gather or all(locs_out)):
+            share = max(1, max(counts))  # nothing is staged: one chunk, reduced block by block
+        largest = max(counts)
+        return _Chunks(share=share, chunks=-(-largest // share) if largest else 0,
+                       counts=counts, starts=starts, in_views=in_views, out_views=out_views,
+                       publish=gather and not all(locs_out),
+                       block=max(1, self.block_bytes // dt.itemsize))
+
+    def _stage_inputs(self, src, p: int, chunk: int, share: int, counts: list[int],
+                      starts: list[int], dt: DType) -> None:
+        """Copy chunk ``chunk`` of every part but ours into our slot, where its reducer
+        reads it."""
         mine = self._slots[p][self.rank]
-        a = t * c
+        first = chunk * share
+        isz = dt.itemsize
         for j in self._peers:
-            ln = min(counts[j] - a, c)
-            if ln > 0:
-                _read(src, starts[j] + a, starts[j] + a + ln,
-                      mine[j * c * isz : (j * c + ln) * isz].view(st))
+            length = min(counts[j] - first, share)
+            if length > 0:
+                _read(src, starts[j] + first, starts[j] + first + length,
+                      mine[j * share * isz : (j * share + length) * isz].view(dt.storage))
+
+    def _collect_results(self, dst, p: int, chunk: int, plan: _Chunks, dt: DType) -> None:
+        """Copy the peers' reduced parts of chunk ``chunk`` from their slots into ``dst``."""
+        first = chunk * plan.share
+        results = self.size * plan.share * dt.itemsize  # where a slot's result area starts
+        for j in self._peers:
+            length = min(plan.counts[j] - first, plan.share)
+            if length > 0:
+                part = self._slots[p][j][results : results + length * dt.itemsize]
+                _write(dst, plan.starts[j] + first, plan.starts[j] + first + length,
+                       part.view(dt.storage))
+
+    def _reduce_part(self, src, dst, p: int, chunk: int, plan: _Chunks, dt: DType,
+                     op: ReduceOp, gather: bool) -> None:
+        """Reduce our part of chunk ``chunk`` in cache-sized blocks and pass each block on
+        while it is hot (into our slot's result area, and into peers' heap outputs)."""
+        r, n, share = self.rank, self.size, plan.share
+        st, isz = dt.storage, dt.itemsize
+        first = chunk * share
+        length = min(plan.counts[r] - first, share)
+        base = plan.starts[r] + first  # the element at offset 0 of our part of the chunk
+        staged = self._slots[p]
+        result_area = self._slots[p ^ 1][r]  # read by the peers at the next step
+        for block_start in range(0, max(length, 0), plan.block):
+            block_end = base + min(block_start + plan.block, length)
+            for lo, hi, mine in _parts(src, base + block_start, block_end):
+                offset, count = lo - base, hi - lo  # inside our part of the chunk
+                terms = [mine]
+                for i in self._peers:
+                    view = plan.in_views[i]
+                    if view is not None:
+                        terms.append(view[lo:hi])
+                    else:
+                        at = (r * share + offset) * isz
+                        terms.append(staged[i][at : at + count * isz].view(st))
+                if dst is src:
+                    out = mine
+                elif gather:
+                    out = dst[lo:hi]
+                else:
+                    out = dst[first + offset : first + offset + count]
+                reduce_into(out, terms, op, dt, n)
+                if plan.publish:
+                    at = (n * share + offset) * isz
+                    np.copyto(result_area[at : at + count * isz].view(st), out)
+                if gather:
+                    for j in self._peers:
+                        if plan.out_views[j] is not None:
+                            np.copyto(plan.out_views[j][lo:hi], out)
 
     def allgather(self, src: np.ndarray, dt: DType, row_shape: tuple[int, ...],
                   alloc: Callable[[list[int]], np.ndarray]) -> np.ndarray:
@@ -780,44 +644,38 @@ class ShmEngine:
         return self._run(self._allgather, src, dt, row_shape, alloc)
 
     def _allgather(self, src, dt: DType, row_shape, alloc) -> np.ndarray:
-        n, r = self.size, self.rank
-        st = dt.storage
-        isz = dt.itemsize
-        E = self.slot_bytes // isz
-        s = self._seq + 1
+        r = self.rank
+        st, isz = dt.storage, dt.itemsize
+        per_step = self.slot_bytes // isz  # elements of each rank moved per step
+        s = self._step.seq + 1
         p = s & 1
-        N = src.size
-        what = ("allgather", dt.name, N, None)
-        first = min(N, E)
+        numel = src.size
+        what = ("allgather", dt.name, numel, None)
+        first = min(numel, per_step)
         np.copyto(self._slots[p][r][: first * isz].view(st), src[:first])
-        self._write_meta(p, _key(ALLGATHER), dt, N, row_shape)
-        self._arrive(s)
-        self._wait_all(s, what)
-        self._check_meta(p, _SPAN_GATHER, what)
-        counts = [self._meta(i, p, M_COUNT) for i in range(n)]
+        self._first_step(s, MetaKey(coll_key(ALLGATHER), dt.code, numel, row_shape),
+                         SPAN_GATHER, what)
+        counts = [self._records.field(i, p, M_COUNT) for i in range(self.size)]
         dst = alloc(counts)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-        K = max(1, -(-max(counts) // E))
-        for t in range(K):
-            if t:
+        for chunk in range(max(1, -(-max(counts) // per_step))):
+            at = chunk * per_step
+            if chunk:
                 s += 1
                 p = s & 1
-                a = t * E
-                ln = min(N - a, E)
-                if ln > 0:
-                    np.copyto(self._slots[p][r][: ln * isz].view(st), src[a : a + ln])
-                self._arrive(s)
-                self._wait_all(s, what)
-            a = t * E
-            for i in range(n):
-                ln = min(counts[i] - a, E)
-                if ln <= 0:
+                length = min(numel - at, per_step)
+                if length > 0:
+                    np.copyto(self._slots[p][r][: length * isz].view(st), src[at : at + length])
+                self._next_step(s, what)
+            for i in range(self.size):
+                length = min(counts[i] - at, per_step)
+                if length <= 0:
                     continue
-                o = starts[i] + a
+                o = starts[i] + at
                 if i == r:
-                    np.copyto(dst[o : o + ln], src[a : a + ln])
+                    np.copyto(dst[o : o + length], src[at : at + length])
                 else:
-                    np.copyto(dst[o : o + ln], self._slots[p][i][: ln * isz].view(st))
+                    np.copyto(dst[o : o + length], self._slots[p][i][: length * isz].view(st))
         return dst
 
     def broadcast(self, buf: np.ndarray, dt: DType, root: int, shape: tuple[int, ...]) -> None:
@@ -825,29 +683,26 @@ class ShmEngine:
         self._run(self._broadcast, buf, dt, root, shape)
 
     def _broadcast(self, buf, dt: DType, root: int, shape) -> None:
-        st = dt.storage
-        isz = dt.itemsize
-        R = len(self._regions[0]) // isz  # the root may use the whole parity region
-        N = buf.size
-        K = max(1, -(-N // R))
-        what = ("broadcast", dt.name, N, None)
-        s = self._seq
-        for t in range(K):
+        st, isz = dt.storage, dt.itemsize
+        per_step = len(self._regions[0]) // isz  # the root may use the whole parity region
+        numel = buf.size
+        what = ("broadcast", dt.name, numel, None)
+        s = self._step.seq
+        for chunk in range(max(1, -(-numel // per_step))):
             s += 1
             p = s & 1
-            a = t * R
-            ln = min(N - a, R)
+            at = chunk * per_step
+            length = min(numel - at, per_step)
             region = self._regions[p]
-            if self.rank == root and ln > 0:
-                np.copyto(region[: ln * isz].view(st), buf[a : a + ln])
-            if t == 0:
-                self._write_meta(p, _key(BROADCAST), dt, N, shape, root)
-            self._arrive(s)
-            self._wait_all(s, what)
-            if t == 0:
-                self._check_meta(p, _SPAN_BCAST, what)
-            if self.rank != root and ln > 0:
-                np.copyto(buf[a : a + ln], region[: ln * isz].view(st))
+            if self.rank == root and length > 0:
+                np.copyto(region[: length * isz].view(st), buf[at : at + length])
+            if chunk == 0:
+                self._first_step(s, MetaKey(coll_key(BROADCAST), dt.code, numel, shape, root),
+                                 SPAN_BCAST, what)
+            else:
+                self._next_step(s, what)
+            if self.rank != root and length > 0:
+                np.copyto(buf[at : at + length], region[: length * isz].view(st))
 
     # -------------------------------------------------------------- teardown
     def close(self) -> None:
@@ -859,10 +714,9 @@ class ShmEngine:
         finally:
             self.heap.close()
             self._peer_heaps.close()
-            if self._atomics is not None:
-                self._atomics.close()
-            if self._futex is not None:
-                self._futex.close()
+            self._step.close()
+            self._idents.close()
+            self._words = None
             self._q.release()
             self._qb.release()
             self._slots = self._regions = self._staging = None

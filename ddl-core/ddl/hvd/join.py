@@ -32,6 +32,7 @@ import numpy as np
 import ddl
 from ddl import api as _api
 
+from . import adasum as _adasum
 from . import arrays as _arrays
 from . import negotiate as ng
 
@@ -75,6 +76,8 @@ def broadcast_plan(times: np.ndarray, index: int) -> np.ndarray:
 def _serve(r: np.ndarray) -> None:
     """Take part in the call the running ranks described, contributing nothing."""
     kind, code = int(r[ng.KIND]), int(r[ng.DTYPE])
+    if int(r[ng.OP]) == _adasum.ADASUM_CODE and kind in (ng.ALLREDUCE, ng.GROUPED_ALLREDUCE):
+        return  # the running ranks refuse Adasum beside a joined rank before data moves
     nd = min(int(r[ng.NDIM]), ng.MAX_DIMS)
     shape = tuple(int(x) for x in r[ng.DIMS:ng.DIMS + nd])
     if kind == ng.ALLREDUCE:

@@ -24,13 +24,24 @@ rank's descriptor, and a line describing its call) that the message is built fro
 every rank adopts the largest sequence number seen, and the job goes on.
 
 Cost: one allreduce of ``_LEN`` int64 words per call; a grouped call, or a fused gradient
-bucket of the DistributedOptimizer, is one call.
+bucket of the DistributedOptimizer, is one call. On the shared-memory engine (a job or a
+process set on one host) the descriptor is *folded* into the first synchronisation of the
+call's own data collective instead (``ShmEngine.fold_identity``): every rank reads every
+descriptor after that step and computes the same MAX; when :func:`problem` holds, or some
+rank exchanged its descriptor alone (a joined rank, a call that failed there), no rank
+moves data in that step and each gets the MAX back (``Unfolded``), which the path above
+then handles exactly as the result of a separate exchange. Calls whose data step reads the
+exchange's result before its first collective (``broadcast_object``...), jobs whose
+torch tensors may go to a device engine, multi-host engines, and calls made while the
+timeline or the torch profiler records (so the exchange shows as its own span) keep the
+separate exchange.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -42,6 +53,7 @@ from ddl import api as _api
 from ddl import dtypes as _dtypes
 from ddl import tensors as _tensors
 from ddl import timeline as _tl
+from ddl.engines.shm_meta import Fold, Unfolded
 
 # ----------------------------------------------------------------- descriptor layout
 KIND, OP, DTYPE, NUMEL, ARG, NDIM = range(6)
@@ -82,6 +94,11 @@ REDUCING = (ALLREDUCE, REDUCE_SCATTER, GROUPED_ALLREDUCE, GROUPED_REDUCE_SCATTER
 ROOTED = (BROADCAST, BROADCAST_OBJECT, GROUPED_BROADCAST)
 GATHERING = (ALLGATHER, ALLTOALL)  # the first dimension may differ between ranks
 GROUPED = (GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
+# Calls whose data step starts with a collective and reads of the exchange's result only
+# JOINED and LOWEST before it: their descriptor can ride on that collective's first step
+# (the data step sees a provisional result, see _provisional).
+FOLDABLE = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, GROUPED_ALLREDUCE,
+            GROUPED_ALLGATHER, GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
 OBJECTS = (BROADCAST_OBJECT, ALLGATHER_OBJECT)  # need every rank's data: not after join
 # A joined rank rebuilds these shapes from the descriptor or the layout, which fold the
 # dimensions past MAX_DIMS; the engines compare the real shapes, so such calls cannot be
@@ -103,9 +120,11 @@ class _State:
         self.calls = 0  # Horovod-level calls issued here, each one exchange
         self.skew = 0  # added to ``calls`` on the wire: what re-synchronising moves
         self.count = 0  # control exchanges done, joined ones included: a job position
+        self.separate = 0  # of them, exchanges that took a step of their own
+        self.fold_ok: bool | None = None  # whether descriptors may ride on the data (cached)
         self.observed = -1  # the latest call whose end the program has waited for
         self.names: dict[str, tuple[int, int]] = {}  # user-given name -> (call, kind)
-        self.templates: dict[tuple, np.ndarray] = {}
+        self.templates: dict[tuple, Any] = {}  # descriptor templates (see _template)
         self.broken: BaseException | None = None  # the engine failed or a peer shut down
         self.lock = threading.Lock()
 
@@ -152,6 +171,11 @@ def broken() -> BaseException | None:
 
 def calls_issued() -> int:
     return _state.calls
+
+
+def separate_exchanges(st: _State | None = None) -> int:
+    """Identity exchanges that took a collective (or a step) of their own, not folded."""
+    return (st or _state).separate
 
 
 # ----------------------------------------------------------------- call identity
@@ -370,14 +394,109 @@ def exchange(d: np.ndarray) -> np.ndarray:
     engine = st.engine()
     if engine is None:
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
+    alone = getattr(engine, "exchange_identity", None)  # meets the peers' folded ones
     if _tl.recorder is None and _tl.torch_profiler() is None:
-        _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
+        if alone is not None:
+            _engine(alone, d)
+        else:
+            _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
     else:
         with _tl.span("negotiate", "negotiate") as sp:
-            _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
+            if alone is not None:
+                _engine(alone, d)
+            else:
+                _engine(engine.allreduce, d, d, _INT64, ddl.Max, d.shape)
             sp.args = {"call": NAMES.get(int(d[KIND]), "joined"), "seq": int(d[SEQ])}
     st.count += 1
+    st.separate += 1
     return d
+
+
+def _may_fold(call: Call, st: _State) -> Any:
+    """The engine to fold ``call``'s descriptor into, or None. Ranks may decide differently
+    (the engine then runs the exchange as a step of its own): this only has to be safe
+    here, which it is when the data step's first collective runs on the set's engine."""
+    if call.kind not in FOLDABLE:
+        return None
+    if _tl.recorder is not None or _tl.torch_profiler() is not None:
+        return None  # traced: the exchange stays a step of its own, with its own span
+    engine = st.engine()
+    if getattr(engine, "fold_identity", None) is None:
+        return None
+    # (a process set's calls never go to a device engine)
+    unsure = st.group is None and st.fold_ok is not True
+    if unsure and (st.fold_ok is False or _device_route(st)):
+        return None
+    return engine
+
+
+def _device_route(st: _State) -> bool:
+    """Whether some torch tensor of this job could go to a device engine (NCCL, or Gloo
+    with DDL_DEVICE_ENGINE=gloo) rather than the job's engine. Without torch loaded none
+    can, for now: the answer is cached in ``st.fold_ok`` only once it cannot change."""
+    router = getattr(_api, "_devices", None)
+    if router is None:
+        return False
+    if router.choice == "host":
+        st.fold_ok = True
+        return False
+    if "torch" not in sys.modules:
+        return False
+    if router.choice == "gloo":
+        route = True
+    else:
+        from ddl.engines import device as _device
+
+        route = _device.available("nccl")
+    st.fold_ok = not route
+    return route
+
+
+def _folded_pair(call: Call) -> tuple[np.ndarray, np.ndarray]:
+    """This running rank's descriptor template of ``call`` (as :func:`_template`), and the
+    exchange's result as it is whenever the data may move in the folded step: every rank
+    agrees (so the agreed words are ours, but for the sequence number, left out), none
+    joined or failed, set rank 0 runs and a rooted call's root is here. Cached, one lookup
+    per call; the result is read-only (the data step only reads it)."""
+    st = _st()
+    key = (call, None)
+    pair = st.templates.get(key)
+    if pair is None:
+        d = _template(call, False)
+        r = d.copy()
+        r[JOINED] = r[FAILED] = r[LOWEST] = 0
+        r[ROOT_HERE] = int(call.kind in ROOTED)
+        r.setflags(write=False)
+        pair = st.templates[key] = (d, r)
+    return pair
+
+
+def _run_folded(call: Call, seq: int, payload: int, data: Callable[[np.ndarray], Any],
+                engine: Any) -> Any:
+    """The call with its descriptor folded into its data's first step (module docstring)."""
+    st = _st()
+    word = seq + st.skew
+    template, provisional = _folded_pair(call)
+    d = template.copy()
+    d[SEQ], d[SEQ + _AGREED], d[PAYLOAD] = word, -word, payload
+    # The same agreed words on every folded (so running, not failed) rank: problem() can
+    # only hold for a rooted call whose root joined, and a joined rank never folds.
+    fold = Fold(d, problem, 0 if call.kind in ROOTED else _AGREED)
+    engine.fold_identity(fold)
+    try:
+        out = _engine(data, provisional)
+    except Unfolded as why:
+        st.count += 1
+        return _engine(data, _settle(call, word, payload, None, why.result))
+    finally:
+        left = engine.cancel_fold()
+    if left is None:  # the data's first step carried it, and every rank moved its data
+        st.count += 1
+        return out
+    # No collective took it: this rank's data step moved nothing (an empty call); the
+    # others meet this exchange in their first step, or run it alone as well.
+    _settle(call, word, payload, None, exchange(_mine(call, False, word, payload)))
+    return out
 
 
 def problem(r: np.ndarray) -> bool:
@@ -430,9 +549,15 @@ def _negotiate(call: Call, seq: int, payload: int, failed: BaseException | None
                ) -> np.ndarray | None:
     """A running rank's control step. Returns the exchange's result; raises the agreed
     error, or returns None after the error path when ``failed`` (the caller raises it)."""
-    st = _st()
-    word = seq + st.skew
+    word = seq + _st().skew
     r = exchange(_mine(call, failed is not None, word, payload))  # a fresh copy
+    return _settle(call, word, payload, failed, r)
+
+
+def _settle(call: Call, word: int, payload: int, failed: BaseException | None,
+            r: np.ndarray) -> np.ndarray | None:
+    """What a running rank does with the exchange's result ``r``: see :func:`_negotiate`."""
+    st = _st()
     if not problem(r):
         if r[JOINED] == 1 and call.kind in GROUPED:
             share_layout(r, call.members())
@@ -625,6 +750,9 @@ def _job(p: Planned, seq: int, st: _State, failure: BaseException | None = None
             except Exception as exc:  # noqa: BLE001 - the peers must hear of any failure
                 failed = exc
         if failed is None:
+            engine = _may_fold(call, st)
+            if engine is not None:
+                return _run_folded(call, seq, payload, data, engine)
             r = _negotiate(call, seq, payload, None)
             return _engine(data, r)
         try:

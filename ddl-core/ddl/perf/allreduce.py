@@ -341,6 +341,7 @@ class Record:
     rows: list[dict] = field(default_factory=list)
     wrong_measurements: int = 0
     busbw: dict[str, list[float]] = field(default_factory=dict)
+    overhead: float = 0.0  # seconds per timed call that the harness itself costs
 
 
 def _op_name(cfg: Config) -> str:
@@ -349,6 +350,31 @@ def _op_name(cfg: Config) -> str:
 
 def _root(cfg: Config) -> int:
     return cfg.root if COLLECTIVES[cfg.collective].rooted else -1
+
+
+def timed(run: Callable[[], None], iters: int, sync: Callable[[], None]) -> float:
+    """Seconds per call of ``iters`` calls of ``run`` then one ``sync``: the one timed loop
+    of every row, and of the harness's own overhead (``harness_overhead``)."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - start) / max(1, iters)
+
+
+OVERHEAD_BYTES = 1024
+
+
+def harness_overhead(null: Any, cfg: Config, nranks: int, iters: int = 2000,
+                     reps: int = 5) -> float:
+    """Seconds the harness adds to each timed call: the very loop of a row (``timed``, the
+    prepared call's closure, the engine's method and its argument lookups) run on a
+    collective that does nothing (``null``, worker.Null), at 1 KiB out of place; the
+    fastest of ``reps`` runs, as the floor under every row's time."""
+    coll = COLLECTIVES[cfg.collective]
+    counts = coll.counts(max(1, OVERHEAD_BYTES // itemsize(cfg.dtype)), nranks)
+    call = null.prepare(cfg.collective, counts, cfg.dtype, cfg.op, cfg.root, False)
+    return min(timed(call.run, iters, null.sync) for _ in range(reps))
 
 
 def _measure(engine: Any, harness: Any, cfg: Config, counts: Counts, in_place: bool,
@@ -361,11 +387,7 @@ def _measure(engine: Any, harness: Any, cfg: Config, counts: Counts, in_place: b
     call.run()
     engine.sync()
     harness.barrier()
-    start = time.perf_counter()
-    for _ in range(cfg.iters):
-        call.run()
-    engine.sync()
-    seconds = harness.mean((time.perf_counter() - start) / max(1, cfg.iters))
+    seconds = harness.mean(timed(call.run, cfg.iters, engine.sync))
     wrong: int | None = 0 if cfg.check else None
     for rep in range(cfg.check):
         seed = rep + 1
@@ -433,6 +455,11 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
         for line in table_header():
             emit(line)
     _warm_up(engines, cfg, nranks)
+    from .worker import Null  # worker imports this module: resolved at call time
+
+    rec.overhead = harness.mean(harness_overhead(Null(rank, nranks, "cpu"), cfg, nranks))
+    emit(f"# harness overhead per timed call: {rec.overhead * 1e6:.3f} us (the timed loop "
+         f"on a no-op {cfg.collective}, {OVERHEAD_BYTES} B)")
     coll = COLLECTIVES[cfg.collective]
     for size in cfg.sizes:
         counts = coll.counts(size // itemsize(cfg.dtype), nranks)
@@ -494,6 +521,7 @@ def _write_json(cfg: Config, nranks: int, devices: Sequence[str], rec: Record,
                    "root": _root(cfg), "device": cfg.device, "engines": list(cfg.engines)},
         "devices": [d.removeprefix("#  ") for d in devices],
         "results": rec.rows,
+        "harness_overhead_us": rec.overhead * 1e6,
         "out_of_bounds": {"count": rec.wrong_measurements,
                           "okay": rec.wrong_measurements == 0},
         "average_bus_bandwidth": {"bandwidth": avg[cfg.engines[0]], "okay": "unchecked",

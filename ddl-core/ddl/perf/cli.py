@@ -127,13 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in COLLECTIVE_HELP:
         _add_collective(sub, name)
-    sm = sub.add_parser("simulate", help="predict allreduce time on a grid (cost model)")
-    sm.add_argument("--grid", default="4x16x4", help="ranks per host x hosts per rack x racks")
-    sm.add_argument("--sizes", default="1M,16M,100M,1G")
-    sm.add_argument("--links", default="shm,10e-6,5e9;net,50e-6,12.5e9;net,50e-6,12.5e9",
-                    help="per dimension: name,alpha seconds,bytes/s (';'-separated); "
-                         "default: shared memory, then 100 Gb/s links")
-    sm.add_argument("--chunks", type=int, default=16, help="pipeline chunks")
+    from . import calibrate, simulate
+
+    sm = sub.add_parser("simulate", help="predict allreduce time and training scaling "
+                                         "(cost model, presets)",
+                        description=simulate.__doc__.split("\n\n")[0])
+    simulate.add_arguments(sm)
+    cal = sub.add_parser("calibrate", help="measure alpha and beta per grid dimension: a "
+                                           "cost profile for DDL_COST_PROFILE",
+                         description="Inside a job (ddlrun -n 4 ddl-perf calibrate -o "
+                                     "profile.json): time each grid dimension's allreduce "
+                                     "and fit the cost model's latency and bandwidth.")
+    calibrate.add_arguments(cal)
     _add_training(sub)
     e = sub.add_parser("env", help="list the environment variables ddl reads")
     e.add_argument("--markdown", action="store_true", help="as the table in docs/tuning.md")
@@ -270,40 +275,19 @@ def _collective(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         harness.close()
 
 
-def _simulate(args) -> int:
-    from .. import cost
-
-    dims = [int(d) for d in args.grid.split("x")]
-    links = []
-    for spec in args.links.split(";"):
-        name, alpha, bw = spec.split(",")
-        links.append((name, cost.Link(alpha=float(alpha), beta=1 / float(bw))))
-    if len(links) < len(dims):
-        links += [links[-1]] * (len(dims) - len(links))
-    world = 1
-    for d in dims:
-        world *= d
-    algs = [("shm" if name == "shm" else cost.best(["ring", "hd"], n, 1 << 20, link), n, link)
-            for n, (name, link) in zip(dims, links)]
-    slowest = max((link for _, link in links[: len(dims)]), key=lambda lk: lk.beta)
-    print(f"# ddl-perf simulate: grid {args.grid} = {world} ranks; alpha-beta model (ddl/cost.py)")
-    print(f"# {'size':>8} {'flat ring':>12} {'multi-dim':>12} {'pipelined':>12} {'gain':>6}")
-    for nbytes in _sizes(args.sizes):
-        flat = cost.allreduce_time("ring", world, nbytes, slowest)
-        md = cost.multidim_time(algs, nbytes)
-        pl = cost.pipelined_time(algs, nbytes, args.chunks)
-        print(f"  {nbytes:>8} {flat * 1e3:>10.2f}ms {md * 1e3:>10.2f}ms {pl * 1e3:>10.2f}ms "
-              f"{flat / pl:>5.1f}x")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.cmd in COLLECTIVE_HELP:
         return _collective(args, p)
     if args.cmd == "simulate":
-        return _simulate(args)
+        from .simulate import simulate_main
+
+        return simulate_main(args)
+    if args.cmd == "calibrate":
+        from .calibrate import calibrate_main
+
+        return calibrate_main(args)
     if args.cmd == "train":
         from .train import train_main
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
 from typing import Any
+
+from .train_keras import mwms_strategy  # shared with ddl-perf train --framework keras
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,30 +85,6 @@ def _time_fit(keras: Any, model: Any, optimizer: Any, data: Any, args: Any,
     return statistics.median(timer.times)
 
 
-def _address() -> tuple[str, int]:
-    """This rank's address towards rank 0 (``MASTER_ADDR``) and a free TCP port on it."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((master, 9))  # UDP: no packet sent, only the route chosen
-        host = s.getsockname()[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
-
-
-def _mwms(hvd: Any) -> Any:
-    """A MultiWorkerMirroredStrategy over the ddl job: call before any TensorFlow op."""
-    host, port = _address()
-    workers = [f"{h}:{p}" for h, p in hvd.allgather_object((host, port))]
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": hvd.rank()}})
-    import tensorflow as tf
-
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
-    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-
-
 def _time_mwms(keras: Any, tf: Any, hvd: Any, strategy: Any, x: Any, y: Any, dim: int,
                args: Any) -> float:
     with strategy.scope():
@@ -156,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     import ddl.keras as hvd
 
     hvd.init()
-    strategy = _mwms(hvd)  # before any other TensorFlow op
+    strategy = mwms_strategy(hvd)  # before any other TensorFlow op
     import keras
     import numpy as np
     import tensorflow as tf

@@ -1,22 +1,34 @@
-"""Start N local ranks of a Python module with the torchrun env contract, collect their
-output, and never leave one behind. Used by ddl-perf and the tests; jobs across hosts go
-through ddlrun."""
+"""Start N local ranks of a Python program, collect their output, and never leave one
+behind. Used by ddl-perf and the tests; jobs across hosts go through ddlrun.
+
+The ranks are a ddlrun job on this host: ``ddlrun.plan.make_plan`` gives them the env
+contract (the one copy, names from ``ddlrun.envs``; no DDL_OPTIONS, so the core's default
+mode applies), ``ddlrun.backends.local`` starts them in ddlrun's process set and
+``ddlrun.run.supervise`` watches them: with ``fail_fast`` (ddl-perf) the first rank that
+fails takes the others down at once and its code is the job's; without (the tests, whose
+ranks must each report how they saw a peer fail) every rank runs to its end or the timeout.
+Ranks run one thread each unless OMP_NUM_THREADS is set: they share the cores.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import random
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..engines import segments
+from ddlrun import envs
+from ddlrun.backends import LaunchOptions
+from ddlrun.backends.local import LocalBackend
+from ddlrun.hosts import HostSpec
+from ddlrun.output import OutputSink
+from ddlrun.plan import JobPlan, Request, make_plan
+from ddlrun.run import TIMEOUT_EXIT, Outcome, supervise
 
 
 @dataclass
@@ -64,65 +76,89 @@ def new_job_id(prefix: str = "job") -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
-def rank_env(rank: int, n: int, job_id: str, port: int,
-             extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
-        GROUP_RANK="0", DDL_HOST_INDEX="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        DDL_JOB_ID=job_id, OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-        PYTHONUNBUFFERED="1",
-    )
-    if extra:
-        env.update(extra)
-    return env
+@dataclass
+class JobResult:
+    ranks: list[RankResult]
+    code: int  # the job's exit code: the first failing rank's (by time), 0 when all passed
+    first_failure: int | None  # that rank
+
+
+class _Discard(io.TextIOBase):
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+class _Capture(OutputSink):
+    """Every rank's stdout and stderr kept apart, as the rank wrote them (the terminal
+    copy is dropped; the sink still keeps the tails ddlrun's report quotes); ddlrun's own
+    notes (which rank failed first, what was stopped) go to our stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(tag=False, stdout=_Discard(), stderr=_Discard())
+        self.text: dict[tuple[int, str], list[str]] = {}
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        with self._lock:
+            self.text.setdefault((rank, stream), []).append(text)
+        super().line(rank, stream, text)
+
+    def note(self, text: str) -> None:
+        print("".join(f"ddl-perf: {ln}\n" for ln in text.splitlines()), end="",
+              file=sys.stderr, flush=True)
+
+    def output(self, rank: int, stream: str) -> str:
+        with self._lock:
+            return "".join(self.text.get((rank, stream), ()))
+
+
+def local_plan(n: int, argv: Sequence[str], job_id: str, port: int,
+               env: Mapping[str, str] | None = None,
+               per_rank_env: Sequence[Mapping[str, str]] | None = None) -> JobPlan:
+    """The job: ``python argv...`` as ranks 0..n-1 on this host, ddlrun's env contract,
+    then ``env`` and each rank's ``per_rank_env`` on top (a test may override any
+    variable of the contract)."""
+    req = Request(program=(sys.executable, *argv), hosts=(HostSpec("localhost", n),),
+                  nproc=n, no_ddloptions=True)
+    plan = make_plan(req, {}, job_id, port, os.environ)
+    extra = {envs.PYTHONUNBUFFERED: "1", **(env or {})}
+    if envs.OMP_NUM_THREADS not in os.environ and envs.OMP_NUM_THREADS not in extra:
+        extra[envs.OMP_NUM_THREADS] = "1"
+    hosts = []
+    for host in plan.hosts:
+        ranks = []
+        for r in host.ranks:
+            mine = {**r.env_dict(), **extra, **(per_rank_env[r.rank] if per_rank_env else {})}
+            ranks.append(dataclasses.replace(r, env=tuple(sorted(mine.items()))))
+        hosts.append(dataclasses.replace(host, ranks=tuple(ranks)))
+    return dataclasses.replace(plan, hosts=tuple(hosts))
+
+
+def run_job(n: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+            per_rank_env: Sequence[Mapping[str, str]] | None = None,
+            timeout: float = 120.0, job_id: str | None = None, fail_fast: bool = False,
+            grace: float = 5.0) -> JobResult:
+    """Run ``python argv...`` as ranks 0..n-1 of one job (see the module docstring).
+
+    On timeout every rank is stopped and a TimeoutError raised. The job's shared memory is
+    removed afterwards whatever happened (the local backend's teardown)."""
+    plan = local_plan(n, argv, job_id or new_job_id(), free_port(), env, per_rank_env)
+    backend = LocalBackend(LaunchOptions(grace=grace))
+    sink = _Capture()
+    outcome: Outcome = supervise(plan, backend, sink, timeout, grace, fail_fast=fail_fast)
+    if outcome.code == TIMEOUT_EXIT and outcome.failure is None and outcome.still_running:
+        raise TimeoutError(f"job {plan.job_id}: ranks {list(outcome.still_running)} still "
+                           f"running after {timeout:.0f}s")
+    codes = backend.procs.codes if backend.procs is not None else {}
+    ranks = [RankResult(r, codes.get(r, outcome.code or 127), sink.output(r, "stdout"),
+                        sink.output(r, "stderr")) for r in range(n)]
+    first = getattr(outcome.failure, "rank", None)
+    return JobResult(ranks, outcome.code, first)
 
 
 def run_local(n: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               per_rank_env: Sequence[Mapping[str, str]] | None = None,
-              timeout: float = 120.0, job_id: str | None = None) -> list[RankResult]:
-    """Run ``python argv...`` as ranks 0..n-1 of one job; return when all exit.
-
-    On timeout every rank is killed and a TimeoutError raised. The job's shared memory is
-    removed afterwards whatever happened.
-    """
-    job_id = job_id or new_job_id()
-    port = free_port()
-    procs: list[tuple[subprocess.Popen, object, object]] = []
-    try:
-        for r in range(n):
-            e = rank_env(r, n, job_id, port, env)
-            if per_rank_env:
-                e.update(per_rank_env[r])
-            # Files, not pipes: a chatty rank must not block on a full pipe while we wait
-            # for another one.
-            so = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in finally
-            se = tempfile.TemporaryFile("w+")  # noqa: SIM115
-            p = subprocess.Popen([sys.executable, *argv], env=e, stdout=so, stderr=se,
-                                 text=True, start_new_session=True)
-            procs.append((p, so, se))
-        deadline = time.monotonic() + timeout
-        for p, _, _ in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(
-                    f"job {job_id}: ranks still running after {timeout:.0f}s"
-                ) from None
-        results = []
-        for r, (p, so, se) in enumerate(procs):
-            so.seek(0)
-            se.seek(0)
-            results.append(RankResult(r, p.returncode, so.read(), se.read()))
-        return results
-    finally:
-        for p, so, se in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-            so.close()
-            se.close()
-        segments.cleanup_job(job_id)
+              timeout: float = 120.0, job_id: str | None = None,
+              fail_fast: bool = False) -> list[RankResult]:
+    """``run_job``'s ranks: every rank's exit code and output."""
+    return run_job(n, argv, env=env, per_rank_env=per_rank_env, timeout=timeout,
+                   job_id=job_id, fail_fast=fail_fast).ranks

@@ -9,7 +9,10 @@
     ddlrun -n 2 ddl-perf train --model resnet50 --data ~/imagenet-sample --num-workers 4
 
 ``--via``: ``optimizer`` (ddl.torch.DistributedOptimizer), ``ddp`` (DistributedDataParallel
-on the ``ddl`` backend), ``ddp-gloo``, ``ddp-nccl`` (torch's own backends). Every rank
+on the ``ddl`` backend), ``ddp-gloo``, ``ddp-nccl`` (torch's own backends). With
+``--framework keras`` (``train_keras.py``: Keras 3 on TensorFlow, synthetic data):
+``optimizer`` (ddl.keras.DistributedOptimizer), ``mwms`` (MultiWorkerMirroredStrategy),
+``alone`` (no communication); the shares are measured the same way. Every rank
 times each step and its parts; rank 0 prints one row per rank and the job's total, and
 ``--json`` writes the same as a document ``ddl-perf scale`` and ``ddl-perf plot`` read.
 
@@ -76,12 +79,14 @@ from typing import Any
 from .models import MODELS, ModelSpec
 
 # ============================================================ ddl-perf train: throughput
-VIAS = {  # --via: how gradients are exchanged
+VIAS = {  # --via: how gradients are exchanged (torch; train_keras.VIAS for keras)
     "optimizer": "ddl.torch.DistributedOptimizer",
     "ddp": "DistributedDataParallel on the ddl backend",
     "ddp-gloo": "DistributedDataParallel on torch's gloo",
     "ddp-nccl": "DistributedDataParallel on torch's nccl (CUDA)",
 }
+FRAMEWORKS = {"torch": "PyTorch (models.py)", "keras": "Keras 3 on TensorFlow (train_keras.py)"}
+ALL_VIAS = (*VIAS, "mwms", "alone")  # the last two: --framework keras only
 DDP_BACKEND = {"ddp": "ddl", "ddp-gloo": "gloo", "ddp-nccl": "nccl"}
 PRECISIONS = {
     "fp32": "float32 weights and math",
@@ -101,6 +106,9 @@ HOW = (
 # The flags of `ddl-perf train`, one table: the parser is built from it and `ddl-perf
 # scale` rebuilds a train command line from it (dest, flag, argparse keywords).
 TRAIN_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("framework", "--framework", dict(default="torch", choices=tuple(FRAMEWORKS),
+                                      help="torch, or keras (Keras 3 on TensorFlow; "
+                                           "synthetic data; --via optimizer, mwms, alone)")),
     ("model", "--model", dict(default="resnet50", choices=MODELS,
                               help="resnet50 (images/s) or gpt2 (tokens/s)")),
     ("batch", "--batch", dict(type=int, help="samples per rank per step (resnet50: 32, "
@@ -108,9 +116,11 @@ TRAIN_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("precision", "--precision", dict(default="fp32", choices=tuple(PRECISIONS),
                                       help="fp32, bf16 (all bfloat16), amp (autocast "
                                            "bfloat16 over float32 weights)")),
-    ("via", "--via", dict(default="optimizer", choices=tuple(VIAS),
-                          help="optimizer: ddl.torch.DistributedOptimizer; ddp: DDP on the "
-                               "ddl backend; ddp-gloo, ddp-nccl: DDP on torch's backends")),
+    ("via", "--via", dict(default="optimizer", choices=ALL_VIAS,
+                          help="optimizer: ddl's DistributedOptimizer; torch: ddp (DDP on "
+                               "the ddl backend), ddp-gloo, ddp-nccl (DDP on torch's "
+                               "backends); keras: mwms (MultiWorkerMirroredStrategy), "
+                               "alone (no communication)")),
     ("device", "--device", dict(default="auto", choices=("auto", "cpu", "cuda"),
                                 help="auto: this rank's GPU (LOCAL_RANK) when CUDA is there")),
     ("steps", "--steps", dict(type=int, default=20, help="timed steps per round (20)")),
@@ -148,6 +158,7 @@ class TrainConfig:
     data: str | None = None
     num_workers: int = 2
     json_path: str | None = None
+    framework: str = "torch"
 
 
 def add_train_arguments(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
@@ -178,6 +189,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                              ("--num-workers", args.num_workers, 0)):
         if value < low:
             raise ValueError(f"{flag} {value}: must be >= {low}")
+    framework = getattr(args, "framework", "torch")
+    if framework == "keras":
+        from . import train_keras
+
+        train_keras.check(spec, args.via, args.data)
+    elif args.via not in VIAS:
+        raise ValueError(f"--via {args.via} is a Keras exchange: add --framework keras, or "
+                         f"choose one of {', '.join(VIAS)}")
     if args.via == "ddp-nccl" and args.device == "cpu":
         raise ValueError("--via ddp-nccl needs CUDA tensors: drop --device cpu")
     if args.data is not None and not os.path.isdir(args.data):
@@ -185,7 +204,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=spec, batch=batch, precision=args.precision, via=args.via,
                        device=args.device, steps=args.steps, warmup=args.warmup,
                        rounds=args.rounds, data=args.data, num_workers=args.num_workers,
-                       json_path=getattr(args, "json", None))
+                       json_path=getattr(args, "json", None), framework=framework)
 
 
 # ------------------------------------------------------------------------ your data
@@ -363,8 +382,11 @@ def summarize(cfg: TrainConfig, times: Sequence[RankTimes], params: int,
     mean = {k: statistics.fmean(getattr(t, k) for t in times)
             for k in ("step", "input", "compute")}
     total = sum(r["throughput"] for r in rows)
+    keras = cfg.framework == "keras"
+    if keras:
+        from . import train_keras
     return {
-        "tool": "ddl-perf", "kind": "train", "version": 1,
+        "tool": "ddl-perf", "kind": "train", "version": 1, "framework": cfg.framework,
         "model": cfg.model.name, "model_config": dataclasses.asdict(cfg.model),
         "describe": cfg.model.describe(), "params": params, "unit": cfg.model.unit,
         "batch": cfg.batch, "units_per_sample": per_sample, "precision": cfg.precision,
@@ -374,17 +396,30 @@ def summarize(cfg: TrainConfig, times: Sequence[RankTimes], params: int,
         "throughput": {"total": total, "per_rank": total / len(times)},
         "step_s": max(t.step for t in times),
         "shares": shares(mean["step"], mean["input"], mean["compute"]),
-        "how": HOW,
+        "how": train_keras.HOW if keras else HOW,
     }
+
+
+def write_json(cfg: TrainConfig, doc: dict) -> None:
+    """The document at ``--json`` (nothing without it)."""
+    if cfg.json_path:
+        with open(cfg.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
 
 
 def format_result(doc: dict) -> str:
     unit = doc["unit"]
     wait = all(r["wait_s"] is not None for r in doc["per_rank"])
+    framework = doc.get("framework", "torch")  # documents before Keras have none
+    if framework == "keras":
+        from .train_keras import VIAS as vias
+    else:
+        vias = VIAS
     lines = [
         f"# ddl-perf train: {doc['describe']}, {doc['params'] / 1e6:.3f} M parameters, "
         f"batch {doc['batch']} per rank, {doc['precision']}, via {doc['via']} "
-        f"({VIAS[doc['via']]}), {doc['ranks']} rank(s) on {doc['device']}",
+        f"({vias[doc['via']]}), {doc['ranks']} rank(s) on {doc['device']}",
         f"# data: {doc['data']}",
         f"# {doc['rounds']} round(s) of {doc['warmup']} warm-up + {doc['steps']} timed steps, "
         f"then {doc['steps']} compute-only; medians",
@@ -554,6 +589,10 @@ def _measure(cfg: TrainConfig, trainer: _Trainer, batches: Iterator[Any],
 
 def train(cfg: TrainConfig) -> int:
     """``ddl-perf train`` on every rank of the job (or alone); rank 0 prints."""
+    if cfg.framework == "keras":
+        from .train_keras import train_keras
+
+        return train_keras(cfg)
     _alone_rendezvous()
     import torch
     import torch.distributed as dist
@@ -584,10 +623,7 @@ def train(cfg: TrainConfig) -> int:
             where = f"{dev}, {torch.get_num_threads()} torch thread(s) per rank"
             doc = summarize(cfg, times, trainer.params, desc, where)
             print(format_result(doc), flush=True)
-            if cfg.json_path:
-                with open(cfg.json_path, "w") as f:
-                    json.dump(doc, f, indent=1)
-                    f.write("\n")
+            write_json(cfg, doc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -854,20 +890,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(args)
     if args.horovod_worker:
         return _horovod_worker(args)
-    from .spawn import run_local
+    from .spawn import run_job
 
     forward = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds",
                str(args.rounds), "--width", str(args.width), "--batch", str(args.batch),
                "--comm-reps", str(args.comm_reps)]
-    results = run_local(args.ranks, ["-m", "ddl.perf.train", "--worker", *forward],
-                        env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-                        timeout=args.timeout)
+    job = run_job(args.ranks, ["-m", "ddl.perf.train", "--worker", *forward],
+                  env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+                  timeout=args.timeout, fail_fast=True)
+    results = job.ranks
     bad = [r for r in results if r.returncode != 0]
     if bad:
         for r in bad:
             print(f"--- rank {r.rank} exit {r.returncode}\n{r.stdout[-2000:]}{r.stderr[-4000:]}",
                   file=sys.stderr)
-        return 1
+        return job.code or 1
     line = [ln for ln in results[0].stdout.splitlines() if ln.startswith("{")][-1]
     res = json.loads(line)
     if args.horovod:

@@ -296,6 +296,18 @@ class DDL(Engine):
         return recv
 
 
+class Null(Engine):
+    """Collectives that do nothing: timed through the same loop as a real engine, they
+    measure the harness's own cost per call (``allreduce.harness_overhead``)."""
+
+    name = "null"
+
+    def _nothing(self, send, recv, op, root, in_place):
+        return recv
+
+    allreduce = allgather = broadcast = reduce_scatter = alltoall = _nothing
+
+
 class DDLHeap(DDL):
     """ddl on buffers from ``ddl.malloc``: the data already lives in shared memory."""
 

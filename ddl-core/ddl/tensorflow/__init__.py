@@ -40,6 +40,7 @@ from ddl import (
 )
 from ddl import timeline as _timeline
 from ddl.hvd import lifecycle as _lifecycle
+from ddl.hvd.adasum import Adasum
 from ddl.hvd.lifecycle import (
     ccl_built,
     cuda_built,
@@ -114,7 +115,8 @@ def stop_timeline() -> None:
 
 
 __all__ = [
-    "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
+    "Adasum", "Average", "Compression", "Compressor", "DDLConfigError", "DDLError",
+    "DDLMismatchError",
     "DDLPeerError", "DDLTimeoutError", "DistributedGradientTape", "DistributedOptimizer",
     "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_object", "remove_process_set",

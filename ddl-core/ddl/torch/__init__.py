@@ -42,6 +42,7 @@ from ddl import (
 )
 from ddl import timeline as _timeline
 from ddl.hvd import lifecycle as _lifecycle
+from ddl.hvd.adasum import Adasum
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.lifecycle import (
     ccl_built,
@@ -123,19 +124,9 @@ def stop_timeline() -> None:
     _timeline.stop_timeline()
 
 
-def __getattr__(name: str) -> Any:
-    # hvd.Adasum is absent on purpose: an approximate Adasum would train differently
-    # without saying so.
-    if name == "Adasum":
-        raise AttributeError(
-            "ddl.torch has no Adasum: it is not implemented; use op=hvd.Average (the "
-            "default) or hvd.Sum"
-        )
-    raise AttributeError(f"module 'ddl.torch' has no attribute {name!r}")
-
-
 __all__ = [
-    "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
+    "Adasum", "Average", "Compression", "Compressor", "DDLConfigError", "DDLError",
+    "DDLMismatchError",
     "DDLPeerError", "DDLProcessGroup", "DDLTimeoutError", "DDLWork", "DistributedOptimizer",
     "Handle", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",

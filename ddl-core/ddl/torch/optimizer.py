@@ -11,6 +11,10 @@ what keeps every rank's sequence of collectives identical without a coordinator.
 allreduce is one negotiated call (:mod:`ddl.hvd.negotiate`), so ranks that called
 ``hvd.join()`` (out of data) contribute zeros and the others finish their epoch (Horovod's
 uneven-data rule), and a bucket that differs between ranks raises on every rank.
+
+Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod does, the allgather
+of their indices and values, unless ``sparse_as_dense=True``; ``op=hvd.Adasum`` on more than
+one rank gives the delta-combining optimizer of :mod:`ddl.torch.adasum_optimizer`.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ import torch
 import ddl
 from ddl import timeline as _tl
 from ddl.hvd import fusion
+from ddl.hvd.adasum import is_adasum
 from ddl.hvd.collectives import check_process_set, resolve_op, submit_allreduce
 from ddl.hvd.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from ddl.hvd.join import broadcast_plan, register_optimizer
 from ddl.hvd.negotiate import ALLREDUCE, Handle, fail_here
 from ddl.hvd.settings import cycle_time_ms as _default_cycle_ms
 from ddl.hvd.settings import fusion_threshold_bytes as _default_threshold
+
+from .mpi_ops import sparse_allreduce_async
 
 _NUMPY = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -69,6 +76,31 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
                          "memory (%s); using an ordinary one, which the allreduce copies "
                          "through staging (slower; raise DDL_SHM_HEAP_BYTES)", numel, dtype, exc)
     return torch.empty(numel, dtype=dtype, device=device)
+
+
+def checked_arguments(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None,
+                      process_set: Any, backward_passes_per_step: int, set_refusal: str
+                      ) -> list[tuple[str, torch.Tensor]]:
+    """What every DistributedOptimizer checks first, in Horovod's order (its ValueErrors
+    before anything else), and (name, param) for every parameter of ``optimizer``; a
+    non-global ``process_set`` raises NotImplementedError(``set_refusal``)."""
+    named = _named(optimizer, named_parameters)
+    if check_process_set(process_set).group is not None:
+        raise NotImplementedError(set_refusal)
+    if not ddl.is_initialized():
+        raise ddl.DDLError("call hvd.init() (ddl.torch.init()) before DistributedOptimizer")
+    if backward_passes_per_step < 1:
+        raise ddl.DDLConfigError(
+            f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    return named
+
+
+def too_many_passes(name: str, bpps: int) -> ddl.DDLError:
+    """A gradient computed more often than backward_passes_per_step before step()."""
+    return ddl.DDLError(
+        f"gradient of {name!r} was computed more than backward_passes_per_step={bpps} "
+        "times before step(): call step() (or synchronize()) after each backward, or raise "
+        "backward_passes_per_step to accumulate gradients locally")
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None
@@ -114,6 +146,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     schedulers and checkpoints work on either.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedOptimizer:
+        # Horovod's factory: op=hvd.Adasum on more than one rank gets the delta-combining
+        # optimizer (a subclass, so Python then runs its __init__ with these arguments).
+        op = args[4] if len(args) > 4 else kwargs.get("op")
+        if cls is DistributedOptimizer and is_adasum(op) and ddl.is_initialized() and (
+                ddl.size() > 1):
+            from .adasum_optimizer import DistributedAdasumOptimizer
+
+            cls = DistributedAdasumOptimizer
+        return super().__new__(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -131,18 +174,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cycle_time_ms: float | None = None,
     ) -> None:
         # Argument errors first, as Horovod raises them (ValueError) before anything else
-        named = _named(optimizer, named_parameters)
-        if check_process_set(process_set).group is not None:
-            raise NotImplementedError(
-                "ddl.torch.DistributedOptimizer: process_set must be the global one (its "
-                "buckets and join run over every rank); reduce a sub-set's gradients with "
-                "hvd.grouped_allreduce(..., process_set=...) instead")
-        if not ddl.is_initialized():
-            raise ddl.DDLError("call hvd.init() (ddl.torch.init()) before DistributedOptimizer")
-        if backward_passes_per_step < 1:
-            raise ddl.DDLConfigError(
-                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        op = resolve_op(None, op)
+        named = checked_arguments(
+            optimizer, named_parameters, process_set, backward_passes_per_step,
+            "ddl.torch.DistributedOptimizer: process_set must be the global one (its "
+            "buckets and join run over every rank); reduce a sub-set's gradients with "
+            "hvd.grouped_allreduce(..., process_set=...) instead")
+        # Adasum of one rank's delta is that delta: the plain optimizer, as in Horovod
+        op = ddl.Average if is_adasum(op) else resolve_op(None, op)
         if gradient_predivide_factor != 1.0 and op is not ddl.Average:
             raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average")
         if num_groups and groups is not None:
@@ -152,6 +190,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._bpps = backward_passes_per_step
         self._sparse_as_dense = sparse_as_dense
+        self._sparse_op = op  # sparse gradients: Horovod's op, never the predivide split
         # Horovod's predivide: sum (grad / f) then scale by f / size, which is an average
         # computed with smaller intermediate values (fp16 overflow).
         if gradient_predivide_factor != 1.0:
@@ -292,6 +331,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles: list[Any] = [None] * len(self._plan)
         self._ctx: dict[int, Any] = {}
         self._next = 0  # next bucket to launch: launches go strictly in plan order
+        # buckets with sparse gradients: {member: its sparse handle}, and (bucket, buffer)
+        # of the dense rest or None
+        self._sparse_parts: dict[int, tuple[dict[int, Any], Any]] = {}
 
     # --------------------------------------------------------------------- hooks
     def _make_hook(self, i: int):
@@ -301,12 +343,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with self._lock:
                 self._counts[i] += 1
                 if self._counts[i] > self._bpps:
-                    raise ddl.DDLError(
-                        f"gradient of {self._names[i]!r} was computed more than "
-                        f"backward_passes_per_step={self._bpps} times before step(): call "
-                        "step() (or synchronize()) after each backward, or raise "
-                        "backward_passes_per_step to accumulate gradients locally"
-                    )
+                    raise too_many_passes(self._names[i], self._bpps)
                 if self._counts[i] < self._bpps:
                     return
                 self._ready_at[i] = time.perf_counter()
@@ -329,6 +366,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # raises too instead of waiting for this one
             fail_here(ALLREDUCE, exc, name, async_=not self._inline)
             raise
+        if any(g.is_sparse for g in grads):
+            self._launch_sparse(b, bucket, grads, name)
+            return
         if device == "cpu" and self._direct and all(g.dtype == dtype for g in grads):
             self._launch_direct(b, bucket, grads, name)
             return
@@ -346,6 +386,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._submit(b, buf, name=name, inplace=True, prescale=self._prescale,
                      postscale=self._postscale, before=before)
 
+    def _launch_sparse(self, b: int, bucket: fusion.Bucket, grads: list, name: str) -> None:
+        """A bucket holding sparse gradients (``nn.Embedding(sparse=True)`` without
+        ``sparse_as_dense``), reduced as Horovod reduces them: each sparse one as the
+        allgather of its indices and values (``sparse_allreduce_async``: Average divides
+        the values by ``size()``), in member order; then the dense rest, packed into a
+        bucket of their own. Every rank must have the same gradients sparse: a rank whose
+        gradient is dense issues another call, which the exchange reports on every rank."""
+        self._direct_mode[b] = "sparse"
+        self._kept[b] = []
+        sparse = {i: sparse_allreduce_async(g, op=self._sparse_op)
+                  for i, g in zip(bucket.members, grads) if g.is_sparse}
+        dense = [(i, g) for i, g in zip(bucket.members, grads) if not g.is_sparse]
+        rest = None
+        if dense:
+            rest = fusion.plan_groups([[i for i, _ in dense]], self._numels,
+                                      [bucket.key] * len(self._numels))[0]
+            dtype, device = bucket.key
+            buf = _buffer(rest.numel, dtype, torch.device(device))
+            pack = functools.partial(self._pack, b, rest, buf, [g for _, g in dense])
+            if buf.device.type == "cpu":
+                before = pack
+            else:
+                pack()
+                before = None
+            self._submit(b, buf, name=name, inplace=True, prescale=self._prescale,
+                         postscale=self._postscale, before=before)
+            rest = (rest, buf)
+        else:
+            self._handles[b] = Handle.ready(None)
+        self._sparse_parts[b] = (sparse, rest)
+
     def _grads(self, bucket: fusion.Bucket) -> list[torch.Tensor]:
         grads = []
         with torch.no_grad():
@@ -356,11 +427,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # Unused on this rank (or everywhere): contribute zeros, as Horovod does,
                     # so the peers' collective still matches.
                     g = p.grad = torch.zeros_like(p)
-                elif g.is_sparse:
-                    if not self._sparse_as_dense:
-                        raise ddl.DDLConfigError(
-                            f"gradient of {self._names[i]!r} is sparse: pass "
-                            "sparse_as_dense=True to DistributedOptimizer")
+                elif g.is_sparse and self._sparse_as_dense:
                     g = p.grad = g.to_dense()
                 grads.append(g)
         return grads
@@ -431,7 +498,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _unpack(self, b: int) -> None:
         if self._direct_mode[b] == "grads":
             return  # the sums are in p.grad already
-        bucket, buf = self._plan[b], self._buffers[b]
+        if self._direct_mode[b] == "sparse":
+            sparse, rest = self._sparse_parts[b]
+            for i, h in sparse.items():
+                self._params[i].grad = h.wait()  # coalesced, summed or averaged
+            if rest is not None:
+                self._copy_out(b, *rest)
+            return
+        self._copy_out(b, self._plan[b], self._buffers[b])
+
+    def _copy_out(self, b: int, bucket: fusion.Bucket, buf: torch.Tensor) -> None:
         with _tl.span("unpack", "fusion", {"bucket": b, "elements": bucket.numel}), \
                 torch.no_grad():
             if self._postscale != 1.0:
@@ -545,7 +621,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """How the last ``synchronize()`` moved each bucket: ``"grads"`` (reduced in place
         where the gradients live), ``"into"`` (summed into the fusion buffer, whose views
         become the gradients), ``"buffer"`` (gradients already were those views: reduced in
-        the buffer in place) or ``"packed"`` (copied, cast or compressed into the buffer)."""
+        the buffer in place), ``"packed"`` (copied, cast or compressed into the buffer) or
+        ``"sparse"`` (sparse gradients allgathered, the dense rest packed)."""
         return list(self._last_modes)
 
     def remove_hooks(self) -> None:

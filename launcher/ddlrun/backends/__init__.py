@@ -28,7 +28,7 @@ class LaunchOptions:
     network_interface: str | None = None
     tag_output: bool = True
     is_root: bool = False
-    rankfile_path: str | None = None
+    rankfile_path: str | None = None  # the user's --rankfile (absolute)
     cwd: str | None = None
 
 
@@ -52,6 +52,11 @@ class Backend:
     def commands(self, plan: JobPlan) -> list[list[str]]:
         """Every command this backend would run, for --dry-run."""
         raise NotImplementedError
+
+    def plan_notes(self, plan: JobPlan) -> list[str]:
+        """What else the run will use, for --dry-run (the mpirun rankfile); none by
+        default."""
+        return []
 
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
         raise NotImplementedError

@@ -5,11 +5,13 @@ environment and are exported by name (``-x NAME``), never as values on the comma
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..events import Emit
@@ -19,9 +21,64 @@ from . import check_path
 from .single import SingleLauncherBackend
 
 
+@dataclass(frozen=True)
+class Rankfile:
+    """The rankfile a job's mpirun reads, known at plan time (``--dry-run`` shows it):
+    ``path``; ``lines`` what ddlrun writes there (empty: the user's own file, used where it
+    is); ``copy_of`` the user's file when its path is one Open MPI misreads (``prrte_safe``)
+    and ddlrun copies it to ``path``."""
+
+    path: str
+    lines: tuple[str, ...] = ()
+    copy_of: str | None = None
+
+    @property
+    def folder(self) -> str | None:
+        """The private folder ddlrun makes for it (None: the user's file, in place)."""
+        return os.path.dirname(self.path) if self.lines or self.copy_of else None
+
+    def describe(self) -> list[str]:
+        if self.copy_of:
+            return [f"rankfile: {self.path} (a copy of {self.copy_of}, made at start: Open "
+                    "MPI misreads 'pe' in its path)"]
+        if not self.lines:
+            return [f"rankfile: {self.path} (yours)"]
+        return [f"rankfile: {self.path} (written at start):", *(f"  {ln}" for ln in self.lines)]
+
+
+def plan_rankfile(plan: JobPlan, user_path: str | None, base: str | None = None) -> Rankfile:
+    """Pure: where the job's rankfile is and what it holds. A generated one (or a copy of
+    the user's) lives in ``<base>/ddlrun-<digest of the job id>/rankfile``: one folder per
+    job, named from the (unique) job id so ``--dry-run`` prints the path the run uses; the
+    digest is hex, which cannot spell "pe"."""
+    if user_path and prrte_safe(user_path):
+        return Rankfile(user_path)
+    digest = hashlib.sha256(plan.job_id.encode()).hexdigest()[:16]
+    path = os.path.join(base or safe_tmp_base(), f"ddlrun-{digest}", "rankfile")
+    if user_path:
+        return Rankfile(path, copy_of=user_path)
+    return Rankfile(path, tuple(rankfile_lines(plan)))
+
+
+def write_rankfile(rankfile: Rankfile) -> None:
+    """Make the job's private folder (0700, must be new) and put the rankfile in it."""
+    folder = rankfile.folder
+    if folder is None:
+        return
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        raise UsageError(f"--launcher mpirun: {folder} exists (another ddlrun with this job "
+                         "id?): give another --job-id, or remove it") from None
+    if rankfile.copy_of:
+        shutil.copyfile(rankfile.copy_of, rankfile.path)
+        return
+    with open(rankfile.path, "x", encoding="utf-8") as f:
+        f.write("\n".join(rankfile.lines) + "\n")
+
+
 class MpirunBackend(SingleLauncherBackend):
     name = "mpirun"
-    rankfile_placeholder = "<generated rankfile>"
 
     @staticmethod
     def exe() -> str | None:
@@ -52,10 +109,18 @@ class MpirunBackend(SingleLauncherBackend):
             parts += ["-i", check_path(o.ssh_identity, "--ssh-identity")]
         return " ".join(parts) if parts else None
 
-    def get_cmd(self, plan: JobPlan, rankfile: str | None = None) -> list[str]:
+    def rankfile(self, plan: JobPlan) -> Rankfile:
+        return plan_rankfile(plan, self.opts.rankfile_path)
+
+    def commands(self, plan: JobPlan) -> list[list[str]]:
+        return [self.get_cmd(plan, self.rankfile(plan).path)]
+
+    def plan_notes(self, plan: JobPlan) -> list[str]:
+        return self.rankfile(plan).describe()
+
+    def get_cmd(self, plan: JobPlan, rankfile: str) -> list[str]:
+        """mpirun's argv for the plan, reading the rankfile at ``rankfile``."""
         o = self.opts
-        rankfile = (rankfile or getattr(self, "_rankfile", None) or o.rankfile_path
-                    or self.rankfile_placeholder)
         hosts = ",".join(f"{h.host.name}:{len(h.ranks)}" for h in plan.hosts)
         argv = [self.exe() or "mpirun", "-np", str(plan.world_size), "--host", hosts,
                 "--map-by", f"rankfile:file={rankfile}", "--bind-to", "none", "--oversubscribe"]
@@ -77,25 +142,18 @@ class MpirunBackend(SingleLauncherBackend):
         return argv + self.rank_command(plan)
 
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
-        self._tmp = prrte_safe_tmpdir()
-        user = self.opts.rankfile_path
-        if user and prrte_safe(user):
-            self._rankfile = user
-        else:
-            self._rankfile = os.path.join(self._tmp, "rankfile")
-            if user:
-                shutil.copyfile(user, self._rankfile)
-            else:
-                with open(self._rankfile, "w", encoding="utf-8") as f:
-                    f.write("\n".join(rankfile_lines(plan)) + "\n")
-                sink.note("rankfile: " + "; ".join(rankfile_lines(plan)))
-        super().start(plan, sink, emit)
+        rankfile = self.rankfile(plan)
+        write_rankfile(rankfile)
+        self._folder = rankfile.folder
+        if rankfile.lines:
+            sink.note("rankfile: " + "; ".join(rankfile.lines))
+        self.launch(plan, self.get_cmd(plan, rankfile.path), sink, emit)
 
     def close(self, timeout: float) -> None:
         super().close(timeout)
-        tmp = getattr(self, "_tmp", None)
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+        folder = getattr(self, "_folder", None)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def prrte_safe(path: str) -> bool:
@@ -105,17 +163,12 @@ def prrte_safe(path: str) -> bool:
     return "pe" not in path.lower()
 
 
-def prrte_safe_tmpdir() -> str:
-    """A new private folder whose path ``prrte_safe`` accepts."""
-    bases = [tempfile.gettempdir(), "/tmp", "/var/tmp"]
-    for base in dict.fromkeys(bases):
-        if not (prrte_safe(base) and os.path.isdir(base)):
-            continue
-        for _ in range(64):  # the random part may spell "pe" too
-            d = tempfile.mkdtemp(prefix="ddlrun-", dir=base)
-            if prrte_safe(d):
-                return d
-            os.rmdir(d)
+def safe_tmp_base() -> str:
+    """The first temporary folder (TMPDIR, /tmp, /var/tmp) whose path ``prrte_safe``
+    accepts."""
+    for base in dict.fromkeys([tempfile.gettempdir(), "/tmp", "/var/tmp"]):
+        if prrte_safe(base) and os.path.isdir(base):
+            return base
     raise UsageError("--launcher mpirun: every temporary folder's path contains 'pe', which "
                      "Open MPI 5 misreads in --map-by: set TMPDIR to a path without it")
 

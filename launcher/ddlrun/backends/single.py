@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 
+from .. import envs
 from ..events import Emit, JobExit
 from ..output import OutputSink
 from ..plan import JobPlan
@@ -34,8 +35,8 @@ class SingleLauncherBackend(Backend):
     def job_env(self, plan: JobPlan) -> dict[str, str]:
         """The env every rank shares, plus the layout for ddlrun.rankenv."""
         env = dict(plan.common_env)
-        env["DDLRUN_RANK_HOSTS"] = ",".join(str(h) for h in plan.layout)
-        env["DDLRUN_HOST_GPUS"] = ";".join(h.gpus.encode() for h in plan.hosts)
+        env[envs.DDLRUN_RANK_HOSTS] = ",".join(str(h) for h in plan.layout)
+        env[envs.DDLRUN_HOST_GPUS] = ";".join(h.gpus.encode() for h in plan.hosts)
         return env
 
     def watch(self, stream: str, text: str, sink: OutputSink) -> None:
@@ -46,6 +47,10 @@ class SingleLauncherBackend(Backend):
         return code
 
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
+        self.launch(plan, self.get_cmd(plan), sink, emit)
+
+    def launch(self, plan: JobPlan, argv: list[str], sink: OutputSink, emit: Emit) -> None:
+        """Run the launcher's ``argv`` for the plan (its one process)."""
         self.plan = plan
 
         def on_exit(ex: Exit) -> None:
@@ -57,7 +62,6 @@ class SingleLauncherBackend(Backend):
 
         self.procs = ProcessSet(on_line, on_exit)
         env = {**os.environ, **self.job_env(plan)}
-        argv = self.get_cmd(plan)
         sink.note("running: " + shlex.join(argv))
         self.procs.start([ProcSpec(0, tuple(argv), env, self.opts.cwd)])
 

@@ -5,10 +5,10 @@ count). Each part prints what it saw; test_torch_safety.py judges.
   the gradients are the grouped allreduce of the gradients); grouped_allreduce_ on them
   works in place;
 - failures: a call that fails on one rank only before its data moves (int with Average, a
-  bad root, bad splits, a compressor that raises, not a tensor, a bad op in an async call,
-  a sparse gradient in the DistributedOptimizer)
+  bad root, bad splits, a compressor that raises, not a tensor, a bad op in an async call)
   raises on every rank at once: that rank its own error, the others a DDLMismatchError
-  naming it; calls that differ (dtype, grouped layout, name, model) raise on every rank;
+  naming it; calls that differ (dtype, grouped layout, name, model, a gradient sparse on
+  one rank only in the DistributedOptimizer) raise on every rank;
 - out_of_step: the sequence that paired calls with the wrong partner before (a rank raising
   before the exchange, a duplicate name on one rank, an async broadcast left over), then a
   mismatching call and 20 mixed collectives, every result checked against numpy;
@@ -109,7 +109,8 @@ class Exploding(hvd.Compressor):
 
 
 def sparse_on_one_rank():
-    """The DistributedOptimizer refuses a sparse gradient (no sparse_as_dense) on one rank."""
+    """A sparse gradient (no sparse_as_dense) on one rank only: its sparse allreduce meets
+    the others' dense one."""
     emb = torch.nn.Embedding(10, 3, sparse=R == V)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
                                    named_parameters=emb.named_parameters())

@@ -1,0 +1,125 @@
+"""The simulator against reality: calibrate on network-namespace hosts with tc-limited links,
+then compare ``ddl-perf simulate``'s prediction (the same cost model mode b uses) with the
+measured allreduce, size by size (docs/performance.md, "Simulator validation").
+
+Needs root (tests/launcher/netns_cluster.py). Two ddlrun jobs on the same hosts:
+  1. ``ddl-perf calibrate -o PROFILE``: alpha and beta of each grid dimension;
+  2. ``ddl.perf.worker`` (the multi-host benchmark's harness) under ``-m b:<per host>x<hosts>``
+     with ``DDL_COST_PROFILE=PROFILE``, so mode b also plans from the measured links.
+The prediction is ``ddl.perf.simulate.allreduce_row`` on the profile: the pipelined
+multi-dimensional allreduce played out chunk by chunk (``cost.pipeline_time``).
+
+    python benchmarks/sim_validation.py --hosts 2 --per-host 2 --rate 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "launcher"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from multihost_allreduce import limit  # noqa: E402
+from netns_cluster import Cluster, unavailable  # noqa: E402
+
+from ddl import config, cost  # noqa: E402
+from ddl.perf import simulate  # noqa: E402
+
+
+def _ddlrun(cluster: Cluster, nhosts: int, per: int, opts: list[str], argv: list[str],
+            timeout: float) -> subprocess.CompletedProcess:
+    env = [f for e in ("OMP_NUM_THREADS=1",) for f in ("-x", e)]
+    cmd = cluster.in_launcher([sys.executable, "-m", "ddlrun", *cluster.ddlrun_opts(), "-H",
+                               cluster.hosts(nhosts, per), *env, *opts, sys.executable,
+                               "-m", *argv])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:2])} exited {res.returncode}:\n"
+                           f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return res
+
+
+def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1M,4M,16M",
+             cal_sizes: str = "64K,256K,1M,4M,16M", iters: int = 3,
+             timeout: float = 600) -> tuple[cost.Profile, list[dict]]:
+    """Calibrate, measure, predict: (profile, one row per size with measured_s,
+    predicted_s and error = predicted / measured - 1). Measured: ddl.perf.worker's median
+    over ``iters`` repetitions of back-to-back calls filling 0.5 s each (the benchmark's
+    harness, robust to the odd slow call on a shared machine)."""
+    from ddl.perf.cli import _sizes
+
+    profile_path = tmp / f"profile-{nhosts}x{per}.json"
+    _ddlrun(cluster, nhosts, per, [], ["ddl.perf.cli", "calibrate", "-o", str(profile_path),
+                                       "--sizes", cal_sizes, "-n", str(2 * iters + 1)],
+            timeout)
+    res = _ddlrun(cluster, nhosts, per,
+                  ["-m", f"b:{per}x{nhosts}", "-x", f"DDL_COST_PROFILE={profile_path}"],
+                  ["ddl.perf.worker", "--engine", "ddl", "--sizes",
+                   ",".join(map(str, _sizes(sizes))), "--reps", str(iters),
+                   "--target-seconds", "0.5"], timeout)
+    measured = [json.loads(m.group(1)) for m in
+                re.finditer(r"^(?:\[[\d,]+\]\S* ?)?(\{.*\})$", res.stdout, re.M)]
+    profile = cost.load_profile(str(profile_path))
+    links = simulate.links_from_profile(profile, 2)
+    chunk = config.get("DDL_CHUNK_BYTES")
+    rows = []
+    for r in measured:
+        pred = simulate.allreduce_row([per, nhosts], links, r["bytes"], chunk)
+        rows.append({"bytes": r["bytes"], "measured_s": r["median"],
+                     "predicted_s": pred["pipelined_s"], "algorithms": pred["algorithms"],
+                     "error": pred["pipelined_s"] / r["median"] - 1, "correct": r["correct"]})
+    return profile, rows
+
+
+def markdown(nhosts: int, per: int, rate: str, profile: cost.Profile, rows: list[dict]) -> str:
+    from ddl.perf.calibrate import format_profile
+
+    out = [f"**{nhosts} hosts x {per} ranks, {rate}** (profile:)", "", "```",
+           format_profile(profile), "```", "",
+           "| size | measured ms | predicted ms | error | algorithms |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['bytes'] >> 20} MiB | {r['measured_s'] * 1e3:.1f} | "
+                   f"{r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | "
+                   f"{','.join(r['algorithms'])} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--per-host", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--sizes", default="1M,4M,16M,64M")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--cal-sizes", default="256K,1M,4M,16M",
+                    help="sizes calibrate fits over (the range the prediction covers)")
+    ap.add_argument("--json", metavar="PATH", help="also write profile and rows as JSON")
+    a = ap.parse_args()
+    why = unavailable()
+    if why:
+        print(f"cannot run: {why}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(Path(tmp), nhosts=a.hosts)
+        try:
+            cluster.start()
+            limit(cluster, a.hosts, a.rate, None)
+            profile, rows = validate(cluster, Path(tmp), a.hosts, a.per_host, a.sizes,
+                                     a.cal_sizes, iters=a.iters)
+        finally:
+            cluster.close()
+    print(markdown(a.hosts, a.per_host, a.rate, profile, rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"profile": profile.to_json(), "rows": rows}, f, indent=1)
+    return 0 if all(abs(r["error"]) <= 0.25 for r in rows if r["bytes"] >= 1 << 20) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""``ddl-perf calibrate``: measure each grid dimension's latency (alpha) and inverse
+bandwidth (beta) on this cluster and write them as a cost profile (``DDL_COST_PROFILE``).
+
+Run it inside a job, like the collective benchmarks::
+
+    ddlrun -n 4 ddl-perf calibrate -o profile.json             # one host: shared memory
+    ddlrun -H a:2,b:2 ddl-perf calibrate -o profile.json       # dim 0 shm, dim 1 network
+
+The job's grid is ranks per host x hosts (or ``--grid``). Every rank runs the same
+dimension's allreduce at the same time, so each line of a dimension shares its links with
+the other lines exactly as in the multi-dimensional allreduce; dimensions are timed one
+after the other, with a barrier between calls. Each dimension runs what the
+multi-dimensional allreduce runs on it: the outermost an allreduce, an inner one a
+reduce-scatter then an allgather; across hosts on the engine's native collective (mode
+``n``), inside a host on the shared-memory engine.
+
+The fit (``fit_link``, pure) is the cost model's own formula for the algorithm that was
+timed, ``T(s) = steps * alpha + wire(s) * beta + reduced(s) * gamma`` (ddl/cost.py), with
+gamma held at the model's value: for a fixed dimension size ``steps``, ``wire`` and
+``reduced`` are constants times ``s``, so it is a straight line ``a + b s``, fitted by
+least squares on the relative error (each point weighted by 1/T, so 4 KiB counts as much
+as 16 MiB), with alpha and beta constrained to be >= 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .. import cost
+
+DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
+
+
+# --------------------------------------------------------------------------- fitting (pure)
+def model_factors(alg: str, n: int, gamma: float) -> tuple[float, float, float]:
+    """(steps, wire bytes per byte, seconds of reduction per byte) of ``alg`` on ``n``
+    ranks, read off the cost model itself so the fit and the prediction cannot differ."""
+    probe = 1 << 20
+    steps = cost.allreduce_time(alg, n, 0, cost.Link(alpha=1.0, beta=0.0, gamma=0.0))
+    wire = cost.allreduce_time(alg, n, probe, cost.Link(alpha=0.0, beta=1.0, gamma=0.0)) / probe
+    red = cost.allreduce_time(alg, n, probe, cost.Link(alpha=0.0, beta=0.0, gamma=gamma))
+    return steps, wire, red / probe
+
+
+def fit_link(alg: str, n: int, sizes: Sequence[float], seconds: Sequence[float],
+             gamma: float = cost.Link(0, 0).gamma) -> cost.Link:
+    """alpha and beta of the Link that makes ``cost.allreduce_time(alg, n, s, link)`` closest
+    to the measured ``seconds`` (module docstring: weighted least squares, both >= 0)."""
+    if n < 2:
+        raise ValueError("a dimension of one rank moves nothing: nothing to fit")
+    if len(sizes) != len(seconds) or len(sizes) < 2 or len(set(sizes)) < 2:
+        raise ValueError("need times at two or more different sizes")
+    steps, wire, red = model_factors(alg, n, gamma)
+    s = np.asarray(sizes, np.float64)
+    t = np.asarray(seconds, np.float64)
+    if np.any(t <= 0):
+        raise ValueError("times must be positive")
+    y = t - red * s  # what is left for alpha and beta
+    w2 = 1.0 / t**2
+    a, b = _line(s, y, w2)
+    if b < 0:  # all latency: no measurable size dependence
+        a, b = float(np.sum(w2 * y) / np.sum(w2)), 0.0
+    if a < 0:  # through the origin
+        a, b = 0.0, float(np.sum(w2 * y * s) / np.sum(w2 * s * s))
+    return cost.Link(alpha=max(a, 0.0) / steps, beta=max(b, 0.0) / wire, gamma=gamma)
+
+
+def _line(x: np.ndarray, y: np.ndarray, w2: np.ndarray) -> tuple[float, float]:
+    """Weighted least squares y ~ a + b x (the 2x2 normal equations)."""
+    sw, sx, sy = w2.sum(), (w2 * x).sum(), (w2 * y).sum()
+    sxx, sxy = (w2 * x * x).sum(), (w2 * x * y).sum()
+    det = sw * sxx - sx * sx
+    b = (sw * sxy - sx * sy) / det
+    return float((sy - b * sx) / sw), float(b)
+
+
+def fit_profile(rows: list[dict], machine: str) -> cost.Profile:
+    """One DimProfile per dimension from the measured rows
+    ({"dim", "engine", "size", "algorithm", "bytes", "seconds"})."""
+    dims = []
+    for index in sorted({r["dim"] for r in rows}):
+        mine = [r for r in rows if r["dim"] == index]
+        first = mine[0]
+        link = fit_link(first["algorithm"], first["size"], [r["bytes"] for r in mine],
+                        [r["seconds"] for r in mine])
+        dims.append(cost.DimProfile(index, first["engine"], first["size"], first["algorithm"],
+                                    link))
+    return cost.Profile(machine, tuple(dims), tuple(rows))
+
+
+# --------------------------------------------------------------------------- measuring
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One grid dimension as calibrate times it: ``run(buf)`` allreduces along it."""
+    index: int
+    engine: str
+    size: int
+    algorithm: str
+    run: Callable[[np.ndarray], None]
+
+
+def targets(engine) -> list[Target]:
+    """The dimensions of the job's engine (ddl.api.job_engine()), innermost first."""
+    from ..algorithms.dims import GroupDim, ShmDim
+    from ..dtypes import BY_NAME
+    from ..ops import ReduceOp
+
+    f32 = BY_NAME["float32"]  # what ddl-perf and most gradients move
+    multidim = getattr(engine, "multidim", None)
+    if multidim is None:
+        if engine.size < 2:
+            return []
+        # one host: the shared-memory engine is the whole job, dimension 0
+        return [Target(0, "shm", engine.size, "shm",
+                       lambda buf: engine.allreduce(buf, buf, f32, ReduceOp.SUM, (buf.size,)))]
+    transport = engine.name.split("/")[-1]
+    out = []
+    for k, d in enumerate(multidim.dims):
+        if isinstance(d, GroupDim):
+            d.fixed = "native"
+        outermost = k == len(multidim.dims) - 1
+        out.append(Target(d.index, "shm" if isinstance(d, ShmDim) else transport, d.size,
+                          "shm" if isinstance(d, ShmDim) else "native",
+                          _phases(d, outermost, f32)))
+    return out
+
+
+def _phases(d, outermost: bool, f32) -> Callable[[np.ndarray], None]:
+    """What the multi-dimensional allreduce runs on this dimension: the outermost
+    allreduces, an inner one reduce-scatters and later allgathers (two calls, each with its
+    own synchronisation), which the model prices as one allreduce."""
+    from ..grid import even_split
+    from ..ops import ReduceOp
+
+    if outermost:
+        return lambda buf: d.allreduce(buf, f32, ReduceOp.SUM)
+
+    def run(buf: np.ndarray) -> None:
+        counts = even_split(buf.size, d.size)
+        d.reduce_scatter(buf, counts, f32, ReduceOp.SUM)
+        d.allgather(buf, counts, f32)
+
+    return run
+
+
+def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], None],
+            clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, float]]:
+    """(bytes, median seconds on this rank) per size; one untimed call first."""
+    out = []
+    for nbytes in sizes:
+        buf = np.ones(max(1, nbytes // 4), np.float32)
+        barrier()
+        target.run(buf)
+        times = []
+        for _ in range(reps):
+            barrier()
+            t = clock()
+            target.run(buf)
+            times.append(clock() - t)
+        out.append((buf.nbytes, float(np.median(times))))
+    return out
+
+
+def _grid_options(grid: str | None) -> None:
+    """Mode n on the job's grid (ranks per host x hosts) unless --grid says otherwise, so
+    every dimension across hosts is its own engine group timed on its native collective."""
+    from .. import config, options, topology
+
+    world = topology.world_from_env()
+    if grid:
+        dims = tuple(int(x) for x in grid.split("x"))
+    else:
+        from ..grid import default_dims
+
+        dims = default_dims(world.size, world.local_size)
+    if world.size < 2 or len(dims) < 2:
+        return
+    opts = options.parse(config.get("DDL_OPTIONS"))
+    os.environ["DDL_OPTIONS"] = dataclasses.replace(opts, mode="n", grid=dims).to_string()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE.json",
+                   help="where rank 0 writes the profile")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"message sizes timed per dimension (default {DEFAULT_SIZES})")
+    p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per size (5)")
+    p.add_argument("--grid", metavar="AxB", help="grid to calibrate (default: ranks per "
+                                                 "host x hosts)")
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    import ddl
+
+    from .. import DDLError, api
+    from .cli import _sizes
+
+    sizes = _sizes(args.sizes)
+    if len(set(sizes)) < 2 or args.iters < 1:
+        print("ddl-perf calibrate: give two or more --sizes and -n >= 1", file=sys.stderr)
+        return 2
+    try:
+        _grid_options(args.grid)
+        ddl.init()
+    except DDLError as exc:
+        print(f"ddl-perf calibrate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        found = targets(api.job_engine())
+        if not found:
+            print("ddl-perf calibrate: one rank has nothing to measure; run it inside a "
+                  "job (ddlrun -n 4 ddl-perf calibrate ...)", file=sys.stderr)
+            return 2
+        rows = []
+        for target in found:
+            local = measure(target, sizes, args.iters, ddl.barrier)
+            # the dimension is as slow as its slowest member: agree on the max
+            worst = ddl.allreduce(np.array([t for _, t in local]), op=ddl.Max)
+            rows += [{"dim": target.index, "engine": target.engine, "size": target.size,
+                      "algorithm": target.algorithm, "bytes": b, "seconds": float(t)}
+                     for (b, _), t in zip(local, worst, strict=True)]
+        if ddl.rank() == 0:
+            profile = fit_profile(rows, socket.gethostname())
+            cost.save_profile(profile, args.output)
+            print(format_profile(profile))
+            print(f"# wrote {args.output}; use it with DDL_COST_PROFILE={args.output}")
+        return 0
+    finally:
+        ddl.shutdown()
+
+
+def format_profile(profile: cost.Profile) -> str:
+    lines = [f"# ddl-perf calibrate on {profile.machine}: T = steps*alpha + wire*beta + "
+             "reduced*gamma (ddl/cost.py)",
+             f"# {'dim':>3} {'engine':>6} {'size':>4} {'alg':>6} {'alpha us':>9} "
+             f"{'GB/s (1/beta)':>13} {'worst fit err':>13}"]
+    for d in profile.dims:
+        rows = [r for r in profile.measured if r["dim"] == d.index]
+        err = max((abs(cost.allreduce_time(d.algorithm, d.size, r["bytes"], d.link)
+                       / r["seconds"] - 1) for r in rows), default=0.0)
+        bw = 1 / d.link.beta / 1e9 if d.link.beta else float("inf")
+        lines.append(f"  {d.index:>3} {d.engine:>6} {d.size:>4} {d.algorithm:>6} "
+                     f"{d.link.alpha * 1e6:>9.2f} {bw:>13.3f} {err:>12.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The one registry of the environment variables ddlrun sets for its ranks or reads.
+
+Every other module of the launcher (and ``ddl.perf.spawn``, which starts local ranks through
+ddlrun's process set) names a variable through the constants below, never as a string
+literal: ``tests/launcher/test_envs.py`` fails on a literal of a registered name outside this
+file. The library's own knobs (what ``import ddl`` reads, with types and defaults) are in
+``ddl.config``; this registry is the launcher's side: what it hands over and what it takes
+from the process managers and schedulers it runs under. Standard library only, like the
+rest of the launcher's planning code.
+
+Kinds:
+
+- ``rank``: the env contract every rank gets (torchrun-compatible, plus ddl's own);
+- ``torchrun``: torchrun's worker variables, so frameworks that detect torchrun see it;
+- ``option``: set only with an option (``--network-interface``, ``--tcp``, GPU lists) or
+  only when the user has not set it;
+- ``layout``: ddlrun's own, read by ``ddlrun.rankenv`` on the rank's host under mpirun/srun;
+- ``read``: set by someone else (the user, a process manager, a scheduler), read by ddlrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    name: str
+    kind: str  # rank | torchrun | option | layout | read
+    doc: str
+    secret: bool = False  # its value is never printed (describe, -v, --dry-run)
+
+
+def _v(name: str, kind: str, doc: str, secret: bool = False) -> str:
+    _REGISTRY[name] = LaunchEnv(name, kind, doc, secret)
+    return name
+
+
+_REGISTRY: dict[str, LaunchEnv] = {}
+
+# --------------------------------------------------------------- the rank contract
+RANK = _v("RANK", "rank", "global rank, 0..WORLD_SIZE-1")
+WORLD_SIZE = _v("WORLD_SIZE", "rank", "number of ranks in the job")
+LOCAL_RANK = _v("LOCAL_RANK", "rank", "rank among the processes on this host")
+LOCAL_WORLD_SIZE = _v("LOCAL_WORLD_SIZE", "rank", "processes on this host")
+GROUP_RANK = _v("GROUP_RANK", "rank", "index of this host in the job (node rank), 0..hosts-1")
+MASTER_ADDR = _v("MASTER_ADDR", "rank",
+                 "address of host 0 (its --network-interface address when given)")
+MASTER_PORT = _v("MASTER_PORT", "rank", "free port on host 0 for rendezvous")
+DDL_OPTIONS = _v("DDL_OPTIONS", "rank",
+                 "IBM DDL options, e.g. '-mode r:4x2' (omitted with --no_ddloptions)")
+DDL_JOB_ID = _v("DDL_JOB_ID", "rank",
+                "unique job id [A-Za-z0-9_.]{1,64}; scopes shared memory (unset with one "
+                "ddlrun per node and no --rdzv-id: ddl agrees one at init)")
+DDL_JOB_SECRET = _v("DDL_JOB_SECRET", "rank",
+                    "the job's secret (new per job) unless the user set DDL_JOB_SECRET or "
+                    "DDL_JOB_SECRET_FILE, which then travel instead; never on a command line",
+                    secret=True)
+DDL_JOB_SECRET_FILE = _v("DDL_JOB_SECRET_FILE", "read",
+                         "the user's file holding the job's secret; passed on to the ranks")
+DDL_HOST_INDEX = _v("DDL_HOST_INDEX", "rank", "same as GROUP_RANK; scopes shared memory per host")
+DDL_HOSTS = _v("DDL_HOSTS", "rank",
+               "comma-separated host list of the job, in host-index order (not set with one "
+               "ddlrun per node)")
+
+# --------------------------------------------------------------- torchrun's worker env
+TORCHELASTIC_RUN_ID = _v("TORCHELASTIC_RUN_ID", "torchrun", "the job id ('none' without one)")
+TORCHELASTIC_RESTART_COUNT = _v("TORCHELASTIC_RESTART_COUNT", "torchrun", "always 0")
+TORCHELASTIC_MAX_RESTARTS = _v("TORCHELASTIC_MAX_RESTARTS", "torchrun", "always 0")
+GROUP_WORLD_SIZE = _v("GROUP_WORLD_SIZE", "torchrun", "number of hosts (nodes) in the job")
+ROLE_RANK = _v("ROLE_RANK", "torchrun", "same as RANK")
+ROLE_WORLD_SIZE = _v("ROLE_WORLD_SIZE", "torchrun", "same as WORLD_SIZE")
+ROLE_NAME = _v("ROLE_NAME", "torchrun", "always 'default'")
+
+# --------------------------------------------------------------- with an option
+CUDA_VISIBLE_DEVICES = _v("CUDA_VISIBLE_DEVICES", "option",
+                          "left as the user has it (all GPUs visible: LOCAL_RANK indexes "
+                          "them, as under torchrun); the host's GPUs with --include/--exclude "
+                          "GPU lists, the rank's one GPU with --bind-gpus")
+OMP_NUM_THREADS = _v("OMP_NUM_THREADS", "option",
+                     "cores per host // local ranks (min 1), only if the user has not set it")
+GLOO_SOCKET_IFNAME = _v("GLOO_SOCKET_IFNAME", "option", "with --network-interface")
+NCCL_SOCKET_IFNAME = _v("NCCL_SOCKET_IFNAME", "option", "with --network-interface")
+NCCL_IB_DISABLE = _v("NCCL_IB_DISABLE", "option", "'1' with --tcp")
+PYTHONUNBUFFERED = _v("PYTHONUNBUFFERED", "option",
+                      "'1' for the ranks ddl-perf and the tests start (ddl.perf.spawn), so "
+                      "their lines arrive as they are printed")
+
+# --------------------------------------------------------------- ddlrun.rankenv's layout
+DDLRUN_RANK_HOSTS = _v("DDLRUN_RANK_HOSTS", "layout",
+                       "host index of every rank, comma-separated (mpirun, srun)")
+DDLRUN_HOST_GPUS = _v("DDLRUN_HOST_GPUS", "layout",
+                      "per host 'mode:ids' (see plan.HostGpus), hosts joined by ';'")
+
+# --------------------------------------------------------------- read by ddlrun
+DDL_PORT = _v("DDL_PORT", "read",
+              "ddl's store port (default MASTER_PORT+1): preflight checks it is free")
+OMPI_COMM_WORLD_RANK = _v("OMPI_COMM_WORLD_RANK", "read", "Open MPI's rank (ddlrun.rankenv)")
+PMIX_RANK = _v("PMIX_RANK", "read", "PMIx's rank (ddlrun.rankenv)")
+SLURM_PROCID = _v("SLURM_PROCID", "read", "Slurm's rank (ddlrun.rankenv)")
+PMI_RANK = _v("PMI_RANK", "read", "PMI's rank, MPICH and Intel MPI (ddlrun.rankenv)")
+SLURM_JOB_ID = _v("SLURM_JOB_ID", "read", "inside a Slurm allocation (--launcher auto)")
+SLURM_JOB_NODELIST = _v("SLURM_JOB_NODELIST", "read", "the allocation's hosts, e.g. n[1-4]")
+SLURM_NODELIST = _v("SLURM_NODELIST", "read", "older spelling of SLURM_JOB_NODELIST")
+SLURM_TASKS_PER_NODE = _v("SLURM_TASKS_PER_NODE", "read", "slots per host, e.g. '2(x3),1'")
+SLURM_STEP_TASKS_PER_NODE = _v("SLURM_STEP_TASKS_PER_NODE", "read",
+                               "slots per host inside a step (when the above is unset)")
+LSB_JOBID = _v("LSB_JOBID", "read", "inside an LSF allocation (--launcher auto)")
+LSB_DJOB_HOSTFILE = _v("LSB_DJOB_HOSTFILE", "read", "LSF's file of the allocation's hosts")
+LSB_MCPU_HOSTS = _v("LSB_MCPU_HOSTS", "read", "LSF's 'host n host n ...' (without the file)")
+
+# groups the code uses
+RANK_FROM_MANAGER = (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK)
+SECRET_SOURCES = (DDL_JOB_SECRET, DDL_JOB_SECRET_FILE)  # either: the user has a secret
+
+
+def registry() -> dict[str, LaunchEnv]:
+    """Every registered variable by name (a copy)."""
+    return dict(_REGISTRY)
+
+
+def of_kind(*kinds: str) -> tuple[str, ...]:
+    """The names of the given kinds, in registry order."""
+    return tuple(v.name for v in _REGISTRY.values() if v.kind in kinds)
+
+
+def is_secret(name: str) -> bool:
+    entry = _REGISTRY.get(name)
+    return entry is not None and entry.secret
+
+
+def table() -> str:
+    """The registry as a Markdown table (docs/launcher.md's env section is checked
+    against it)."""
+    rows = ["| variable | kind | meaning |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.kind} | {v.doc} |" for v in _REGISTRY.values()]
+    return "\n".join(rows)

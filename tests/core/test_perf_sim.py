@@ -1,0 +1,189 @@
+"""ddl-perf calibrate's fit, the cost model's limits, cost profiles (DDL_COST_PROFILE) and
+the simulator's presets: pure code, no processes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ddl import config, cost
+from ddl.errors import DDLConfigError
+from ddl.perf import calibrate, simulate
+from ddl.perf.cli import main
+from ddl.perf.presets import PRESETS
+
+SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+@pytest.mark.parametrize("alg,n", [("native", 2), ("shm", 4), ("ring", 8), ("hd", 4)])
+def test_fit_recovers_a_known_link_from_synthetic_times(alg, n):
+    truth = cost.Link(alpha=37e-6, beta=1 / 0.9e9)
+    times = [cost.allreduce_time(alg, n, s, truth) for s in SIZES]
+    got = calibrate.fit_link(alg, n, SIZES, times)
+    assert got.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert got.beta == pytest.approx(truth.beta, rel=1e-6)
+
+
+def test_fit_tolerates_noise_and_never_returns_negative_terms():
+    truth = cost.Link(alpha=20e-6, beta=1 / 2e9)
+    noise = [1.05, 0.95, 1.04, 0.97, 1.03, 0.98]
+    times = [cost.allreduce_time("native", 2, s, truth) * k for s, k in zip(SIZES, noise)]
+    got = calibrate.fit_link("native", 2, SIZES, times)
+    assert got.alpha == pytest.approx(truth.alpha, rel=0.3)
+    assert got.beta == pytest.approx(truth.beta, rel=0.1)
+    # time falling with size (pure noise): no negative bandwidth cost, only latency
+    flat = calibrate.fit_link("native", 2, [1e3, 1e6], [2e-3, 1e-3])
+    assert flat.beta == 0.0 and flat.alpha > 0
+    with pytest.raises(ValueError, match="two or more"):
+        calibrate.fit_link("native", 2, [1e6, 1e6], [1e-3, 1e-3])
+
+
+def test_fit_profile_makes_one_link_per_dimension():
+    links = {0: cost.Link(5e-6, 1 / 4e9), 1: cost.Link(80e-6, 1 / 0.1e9)}
+    rows = [{"dim": d, "engine": eng, "size": 2, "algorithm": alg, "bytes": s,
+             "seconds": cost.allreduce_time(alg, 2, s, links[d])}
+            for d, eng, alg in ((0, "shm", "shm"), (1, "gloo", "native")) for s in SIZES]
+    prof = calibrate.fit_profile(rows, "box")
+    assert [(d.index, d.engine, d.algorithm) for d in prof.dims] == [
+        (0, "shm", "shm"), (1, "gloo", "native")]
+    assert prof.dims[1].link.beta == pytest.approx(links[1].beta, rel=1e-6)
+    assert "0.0%" in calibrate.format_profile(prof)  # worst fit error on exact data
+
+
+@pytest.mark.parametrize("alg", ["ring", "hd", "native", "shm"])
+def test_one_rank_communicates_nothing(alg):
+    assert cost.allreduce_time(alg, 1, 1 << 30, cost.NETWORK) == 0.0
+    assert cost.pipeline_time([("shm", 1, cost.SHARED_MEMORY), (alg, 1, cost.NETWORK)],
+                              1 << 30, 8 << 20) == 0.0
+
+
+def test_huge_rank_counts_stay_finite_and_grow():
+    times = [cost.allreduce_time("ring", n, 100e6, cost.NETWORK) for n in
+             (2, 16, 256, 4096, 65536, 1 << 20)]
+    assert all(math.isfinite(t) for t in times)
+    assert times == sorted(times) and times[-1] > times[0]
+    hd = [cost.allreduce_time("hd", 1 << k, 1e6, cost.NETWORK) for k in (1, 10, 20)]
+    assert hd == sorted(hd) and math.isfinite(hd[-1])
+    # the bandwidth term of a ring is bounded by 2 x size x beta however many ranks
+    no_latency = cost.Link(alpha=0.0, beta=1e-9, gamma=0.0)
+    assert cost.allreduce_time("ring", 1 << 20, 1e6, no_latency) < 2e6 * 1e-9
+
+
+def test_zero_latency_and_zero_bandwidth_cost():
+    pure_bw = cost.Link(alpha=0.0, beta=1e-9, gamma=0.0)
+    assert cost.allreduce_time("ring", 4, 0, pure_bw) == 0.0
+    assert cost.allreduce_time("ring", 4, 1e6, pure_bw) == pytest.approx(2 * 3 / 4 * 1e6 * 1e-9)
+    pure_lat = cost.Link(alpha=1e-5, beta=0.0, gamma=0.0)
+    assert cost.allreduce_time("ring", 4, 1e9, pure_lat) == pytest.approx(6e-5)
+    assert cost.allreduce_time("hd", 4, 1e9, pure_lat) == pytest.approx(4e-5)
+    # zero latency: hd and ring cost the same, and the tie is broken by name, stably
+    assert cost.allreduce_time("hd", 8, 1e6, pure_bw) == cost.allreduce_time(
+        "ring", 8, 1e6, pure_bw)
+    assert cost.best(["ring", "hd"], 8, 1e6, pure_bw) == "hd"
+    # zero bandwidth cost: only steps count, and hd takes log2(n) of them
+    assert cost.best(["ring", "hd"], 8, 1e9, pure_lat) == "hd"
+
+
+def test_pipeline_matches_the_schedule_bounds():
+    dims = [("shm", 2, cost.Link(0, 1 / 2e9, 0)), ("native", 2, cost.Link(0, 1 / 0.1e9, 0))]
+    nbytes = 64 << 20
+    serial = cost.multidim_time(dims, nbytes)
+    piped = cost.pipeline_time(dims, nbytes, 8 << 20)
+    slow_stage = cost.allreduce_time("native", 2, nbytes / 2, dims[1][2])
+    assert slow_stage < piped < serial  # overlap, but never faster than the slow link
+    # one chunk: nothing overlaps
+    assert cost.pipeline_time(dims, 1 << 20, 8 << 20) == pytest.approx(
+        cost.multidim_time(dims, 1 << 20))
+
+
+def _profile_doc():
+    return {"version": 1, "machine": "m", "dims": [
+        {"engine": "shm", "size": 2, "alpha_s": 1e-5, "beta_s_per_byte": 2e-10},
+        {"engine": "gloo", "size": 2, "alpha_s": 1e-4, "beta_s_per_byte": 8e-9}],
+        "measured": []}
+
+
+def test_profile_round_trip_and_env_lookup(tmp_path, monkeypatch):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile_doc()))
+    prof = cost.load_profile(str(path))
+    again = tmp_path / "q.json"
+    cost.save_profile(prof, str(again))
+    assert cost.load_profile(str(again)) == prof
+    monkeypatch.setenv("DDL_COST_PROFILE", str(again))
+    assert config.get("DDL_COST_PROFILE") == str(again)
+    assert cost.link_for(1, "gloo").beta == 8e-9
+    assert cost.link_for(2, "gloo").beta == 8e-9  # an outer dimension never measured
+    assert cost.link_for(1, "mpi") == cost.NETWORK  # an engine never measured: default
+    monkeypatch.delenv("DDL_COST_PROFILE")
+    assert cost.link_for(1, "gloo") == cost.NETWORK
+
+
+@pytest.mark.parametrize("text,why", [
+    ("not json", "not JSON"), ('{"version": 2, "dims": []}', "version"),
+    ('{"version": 1, "dims": []}', "non-empty"),
+    ('{"version": 1, "dims": [{"engine": "gloo", "size": 2}]}', "dims\\[0\\]"),
+    ('{"version": 1, "dims": [{"engine": "gloo", "size": 2, "alpha_s": -1, '
+     '"beta_s_per_byte": 0}]}', ">= 0")])
+def test_a_bad_profile_names_the_path(tmp_path, text, why):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(DDLConfigError, match=why) as err:
+        cost.load_profile(str(path))
+    assert str(path) in str(err.value)
+    with pytest.raises(DDLConfigError, match="cannot read"):
+        cost.load_profile(str(tmp_path / "missing.json"))
+
+
+def test_simulate_reads_the_profile_and_reports_a_bad_one(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile_doc()))
+    assert main(["simulate", "--profile", str(path), "--grid", "2x2", "--sizes", "16M"]) == 0
+    out = capsys.readouterr().out
+    assert f"profile {path}" in out and "shm,native" in out
+    path.write_text("{")
+    assert main(["simulate", "--profile", str(path), "--grid", "2x2"]) == 2
+    assert str(path) in capsys.readouterr().err
+
+
+def test_mode_b_plans_from_the_profile(tmp_path, monkeypatch):
+    from ddl.algorithms.dims import GroupDim
+
+    doc = _profile_doc()
+    doc["dims"][1]["alpha_s"] = 1.0  # a link where every step costs a second
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("DDL_COST_PROFILE", str(path))
+
+    class Group:
+        size, rank, name = 8, 0, "d1l0"
+
+    slow = GroupDim(Group(), 1, "b", cost.link_for(1, "gloo"))
+    assert slow.choose(64 << 20) == "hd"  # latency-bound: log2(8) steps beat 7
+    assert GroupDim(Group(), 1, "b").choose(64 << 20) == "native"
+
+
+def test_presets_have_a_row_per_gpu_count_and_their_published_figure():
+    for name, c in PRESETS.items():
+        counts = simulate.gpu_counts(c)
+        assert counts[0] == 1 and counts[-1] >= 10_000
+        weak = [simulate.step(c, n, strong=False) for n in counts]
+        strong = [simulate.step(c, n, strong=True) for n in counts]
+        assert weak[0].efficiency == pytest.approx(1.0)
+        assert all(0 < p.efficiency <= 1.0 + 1e-9 for p in weak + strong), name
+        # beyond the batch cap strong scaling shrinks each GPU's batch, and efficiency
+        assert strong[-1].batch_per_gpu < c.batch_per_gpu
+        assert strong[-1].efficiency < weak[-1].efficiency
+    assert PRESETS["powerai-2017"].published.efficiency == 0.95
+    assert PRESETS["goyal-2017"].published.efficiency == 0.89
+
+
+def test_simulate_preset_prints_the_published_number(capsys):
+    assert main(["simulate", "--preset", "powerai-2017", "--scaling", "weak"]) == 0
+    out = capsys.readouterr().out
+    assert "published 95%" in out and "10240" in out
+    assert main(["simulate", "--preset", "goyal-2017"]) == 0
+    out = capsys.readouterr().out
+    assert "against 8 GPUs" in out and "published 89%" in out and "strong" in out
