@@ -24,19 +24,34 @@ from .devices import DeviceRouter
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError
 from .groups import Group, GroupMaker, check_ranks
-from .ops import Average, ReduceOp, check_op, parse_op
+from .ops import Average, ReduceOp, check_op, parse_op  # noqa: F401 - Average: SPELLINGS
 from .runtime import Handle, Runtime
 from .topology import World, world_from_env
 
 _lock = threading.Lock()
-_world: World | None = None
-_engine: Any = None
-_runtime: Runtime | None = None
-_options: options.Options | None = None
-_devices: DeviceRouter | None = None
-_groups: list[Group] = []
-_maker: GroupMaker | None = None
-_rdzv: Any = None  # ddl's rendezvous when init opened one to agree the job id
+
+
+@dataclasses.dataclass
+class Session:
+    """Everything ``init()`` made for this process's place in the job, released together
+    by ``shutdown()``."""
+
+    world: World
+    engine: Any  # the job's engine (engines/*.py)
+    runtime: Runtime  # the job's queue of work
+    options: options.Options
+    devices: DeviceRouter  # which torch tensors go to a device engine
+    maker: GroupMaker
+    rdzv: Any = None  # ddl's rendezvous when init opened one to agree the job id
+    groups: list[Group] = dataclasses.field(default_factory=list)  # live new_group()s
+
+
+_session: Session | None = None
+
+
+def session() -> Session | None:
+    """This process's session, None before ``init()`` (internal API, like ``plan_*``)."""
+    return _session
 
 
 # ------------------------------------------------------------------------ lifecycle
@@ -44,9 +59,9 @@ def init() -> None:
     """Join the job described by the launch environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, ...; see docs/api.md). Without one, this process is a 1-rank world.
     Calling it again is a no-op."""
-    global _world, _engine, _runtime, _options, _devices, _maker, _rdzv
+    global _session
     with _lock:
-        if _world is not None:
+        if _session is not None:
             return
         world = world_from_env()
         opts = options.parse(config.get("DDL_OPTIONS"))
@@ -65,11 +80,14 @@ def init() -> None:
             desc = engine.describe() if hasattr(engine, "describe") else engine.name
             _log.info("[ddl] %d ranks on %d host(s), engine %s: %s; options %s", world.size,
                       world.num_hosts, engine.name, desc, opts.to_string() or "(none)")
-        _world, _engine, _runtime, _options = world, engine, Runtime(), opts
-        _rdzv = rdzv
-        _devices = DeviceRouter(world, opts, _rendezvous)
-        _maker = GroupMaker(world, engine, _runtime, timeout=config.get("DDL_TIMEOUT"),
-                            chunk_bytes=config.get("DDL_CHUNK_BYTES"), shm_kwargs=_shm_kwargs())
+        runtime = Runtime()
+        _session = Session(
+            world=world, engine=engine, runtime=runtime, options=opts,
+            devices=DeviceRouter(world, opts, _rendezvous),
+            maker=GroupMaker(world, engine, runtime, timeout=config.get("DDL_TIMEOUT"),
+                             chunk_bytes=config.get("DDL_CHUNK_BYTES"),
+                             shm_kwargs=_shm_kwargs()),
+            rdzv=rdzv)
 
 
 _log = logging.getLogger("ddl")
@@ -121,7 +139,8 @@ def _identify(world: World) -> tuple[World, Any]:
 def _rendezvous():
     """ddl's TCP store: the multi-host engine's when it has one, else one made now (all
     ranks get here at the same point: the first collective on a device tensor)."""
-    ctx = getattr(_engine, "ctx", None)
+    s = _s()
+    ctx = getattr(s.engine, "ctx", None)
     store = getattr(ctx, "store", None)
     if store is not None:
         return store
@@ -129,9 +148,9 @@ def _rendezvous():
 
     # init's rendezvous holds the port already when it agreed the job id through it. Else
     # the store keeps the one made here (rank 0's server) alive as long as torch holds it.
-    return GlooContext(_world.rank, _world.size, config.get("MASTER_ADDR"), _port(),
+    return GlooContext(s.world.rank, s.world.size, config.get("MASTER_ADDR"), _port(),
                        config.get("DDL_TIMEOUT"), secret=identity.job_secret(),
-                       rendezvous=_rdzv).store
+                       rendezvous=s.rdzv).store
 
 
 def _shm_kwargs() -> dict:
@@ -192,27 +211,27 @@ def _have(module: str) -> bool:
 
 def shutdown() -> None:
     """Finish queued work and release shared memory. Safe to call more than once."""
-    global _world, _engine, _runtime, _devices, _rdzv
+    global _session
     with _lock:
-        if _world is None:
+        s = _session
+        if s is None:
             return
         try:
-            if _runtime is not None:
-                _runtime.close()
+            s.runtime.close()
         finally:
             try:
-                _devices.close()
+                s.devices.close()
             finally:
                 try:
-                    while _groups:
-                        _groups.pop().close()
+                    while s.groups:
+                        s.groups.pop().close()
                 finally:
                     try:
-                        _engine.close()
+                        s.engine.close()
                     finally:
-                        if _rdzv is not None:
-                            _rdzv.close()
-                        _world, _engine, _runtime, _devices, _rdzv = None, None, None, None, None
+                        if s.rdzv is not None:
+                            s.rdzv.close()
+                        _session = None
                         timeline.flush()
 
 
@@ -220,13 +239,18 @@ atexit.register(shutdown)
 
 
 def is_initialized() -> bool:
-    return _world is not None
+    return _session is not None
+
+
+def _s() -> Session:
+    s = _session
+    if s is None:
+        raise DDLError("ddl is not initialized: call ddl.init() first")
+    return s
 
 
 def _w() -> World:
-    if _world is None:
-        raise DDLError("ddl is not initialized: call ddl.init() first")
-    return _world
+    return _s().world
 
 
 def rank() -> int:
@@ -254,22 +278,20 @@ def cross_size() -> int:
 
 
 def get_options() -> options.Options:
-    _w()
-    return _options
+    return _s().options
 
 
 def engine_name() -> str:
-    _w()
-    return _engine.name
+    return _s().engine.name
 
 
 def malloc(shape, dtype=np.float32) -> np.ndarray:
     """A numpy array in this host's shared memory (IBM pyddl.malloc). Collectives on such
     arrays skip the staging copies; wrap with ``torch.from_numpy`` for a torch tensor."""
-    _w()
-    if _engine.heap is None:
+    heap = _s().engine.heap
+    if heap is None:
         return np.empty(shape, dtype=dtype)
-    return _engine.heap.malloc(shape, dtype)
+    return heap.malloc(shape, dtype)
 
 
 # ------------------------------------------------------------------------ groups
@@ -279,13 +301,13 @@ def new_group(ranks, *, timeout: float | None = None) -> Group | None:
     the same order as their other group creations, and it returns when all have (waiting
     up to ``timeout`` seconds, default ``DDL_INIT_TIMEOUT``); other ranks may call it too
     and get None."""
-    w = _w()
-    ranks = check_ranks(ranks, w.size)
-    if w.rank not in ranks:
+    s = _s()
+    ranks = check_ranks(ranks, s.world.size)
+    if s.world.rank not in ranks:
         return None
-    g = _maker.make(ranks, config.init_timeout() if timeout is None else timeout)
+    g = s.maker.make(ranks, config.init_timeout() if timeout is None else timeout)
     with _lock:
-        _groups.append(g)
+        s.groups.append(g)
     return g
 
 
@@ -293,17 +315,18 @@ def destroy_group(group: Group) -> None:
     """Finish ``group``'s queued collectives and release it (its shared memory, its
     network group). Using it afterwards raises. ``ddl.shutdown()`` releases every group."""
     _target(group)
+    s = _s()
     with _lock:
-        if group in _groups:
-            _groups.remove(group)
+        if group in s.groups:
+            s.groups.remove(group)
     group.close()
 
 
 def _target(group: Group | None) -> tuple[Any, int, int]:
     """(engine, rank, size) of the job, or of ``group``."""
-    w = _w()
+    s = _session or _s()  # _s() raises when not initialized
     if group is None:
-        return _engine, w.rank, w.size
+        return s.engine, s.world.rank, s.world.size
     if not isinstance(group, Group):
         raise DDLConfigError(f"group must be a ddl.Group from ddl.new_group, got {group!r}")
     if group.closed:
@@ -314,14 +337,26 @@ def _target(group: Group | None) -> tuple[Any, int, int]:
 def job_engine() -> Any:
     """The job's engine (None before ``init()``): for control steps that need none of the
     planning (one small host array of one dtype)."""
-    return _engine
+    s = _session
+    return None if s is None else s.engine
 
 
 # ------------------------------------------------------------------- collectives
+def _routed(tensor: Any, group: Group | None, op: ReduceOp | None = None
+            ) -> tuple[DeviceRouter, str] | None:
+    """(router, backend) when a device engine takes ``tensor`` (torch CUDA tensors, in
+    job-wide calls only: a group's calls stage through its host engine), else None."""
+    if group is not None:
+        return None
+    devices = _s().devices
+    backend = devices.backend_for(tensor, op)
+    return (devices, backend) if backend else None
+
+
 def dispatch(job: Callable[[], Any], name: str, async_: bool, group: Group | None = None):
     """Queue ``job`` behind the earlier work of the job (or of ``group``: each group has
     its own queue, as each torch process group has its own stream of work)."""
-    runtime = _runtime if group is None else group.runtime
+    runtime = (_session or _s()).runtime if group is None else group.runtime
     if async_:
         return runtime.submit(job, name)
     return runtime.run(job, name)
@@ -345,9 +380,9 @@ def plan_allreduce(tensor, op, out, inplace: bool, group: Group | None = None
                     ) -> Callable[[], Any]:
     engine, _, _ = _target(group)
     op = parse_op(op)
-    backend = _devices.backend_for(tensor, op) if group is None else None
-    if backend:
-        return _devices.plan_allreduce(backend, tensor, op, out, inplace)
+    if route := _routed(tensor, group, op):
+        devices, backend = route
+        return devices.plan_allreduce(backend, tensor, op, out, inplace)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
     result, g = _output(f, out, inplace, "allreduce")
@@ -373,9 +408,9 @@ def plan_allreduce_into(sources: list, out, op, group: Group | None = None
     op = parse_op(op)
     if not sources:
         raise DDLConfigError("fused allreduce of no tensors")
-    backend = _devices.backend_for(sources[0], op) if group is None else None
-    if backend:
-        return _devices.plan_fused_allreduce(backend, sources, out, op)
+    if route := _routed(sources[0], group, op):
+        devices, backend = route
+        return devices.plan_fused_allreduce(backend, sources, out, op)
     parts = [tensors.flatten(t) for t in sources]
     dt, total = parts[0].dtype, sum(f.array.size for f in parts)
     check_op(op, dt)
@@ -415,49 +450,6 @@ def plan_allreduce_into(sources: list, out, op, group: Group | None = None
     return job
 
 
-def allreduce(tensor, op: ReduceOp | str = Average, *, out=None, name: str | None = None,
-              group: Group | None = None):
-    """Reduce ``tensor`` over all ranks and return the result (a new tensor, or ``out``)."""
-    return dispatch(plan_allreduce(tensor, op, out, False, group),
-                     name or "allreduce", False, group)
-
-
-def allreduce_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
-               group: Group | None = None):
-    """In-place allreduce; returns ``tensor``."""
-    return dispatch(plan_allreduce(tensor, op, None, True, group),
-                     name or "allreduce_", False, group)
-
-
-def allreduce_async(tensor, op: ReduceOp | str = Average, *, out=None,
-                    name: str | None = None,
-                    group: Group | None = None) -> Handle:
-    return dispatch(plan_allreduce(tensor, op, out, False, group),
-                     name or "allreduce_async", True, group)
-
-
-def allreduce_async_(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
-                     group: Group | None = None) -> Handle:
-    return dispatch(plan_allreduce(tensor, op, None, True, group),
-                     name or "allreduce_async_", True, group)
-
-
-def grouped_allreduce_(tensors, op: ReduceOp | str = Average, *, name: str | None = None,
-                       group: Group | None = None):
-    """Allreduce several tensors of one dtype in place, as one fused collective: the same
-    steps and bits as an allreduce of their concatenation, but no fusion buffer is filled
-    (each tensor is staged from where it lives). Returns ``tensors``."""
-    return dispatch(plan_allreduce_into(list(tensors), None, op, group),
-                     name or "grouped_allreduce_", False, group)
-
-
-def grouped_allreduce_async_(tensors, op: ReduceOp | str = Average, *,
-                             name: str | None = None,
-                             group: Group | None = None) -> Handle:
-    return dispatch(plan_allreduce_into(list(tensors), None, op, group),
-                     name or "grouped_allreduce_async_", True, group)
-
-
 def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], int]:
     if not shape:
         raise DDLConfigError(f"{what} needs a tensor with at least one dimension, got a 0-d one")
@@ -468,10 +460,10 @@ def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], i
 
 def plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
     engine, _, _ = _target(group)
-    backend = _devices.backend_for(tensor) if group is None else None
-    if backend:
+    if route := _routed(tensor, group):
+        devices, backend = route
         _, row_shape, row = _rows_of(tuple(tensor.shape), "allgather")
-        return _devices.plan_allgather(backend, tensor, row_shape, row)
+        return devices.plan_allgather(backend, tensor, row_shape, row)
     f = tensors.flatten(tensor)
     _, row_shape, row = _rows_of(f.shape, "allgather")
     holder: list[Any] = []
@@ -493,25 +485,14 @@ def plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
     return job
 
 
-def allgather(tensor, *, name: str | None = None,
-              group: Group | None = None):
-    """Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."""
-    return dispatch(plan_allgather(tensor, group), name or "allgather", False, group)
-
-
-def allgather_async(tensor, *, name: str | None = None,
-                    group: Group | None = None) -> Handle:
-    return dispatch(plan_allgather(tensor, group), name or "allgather_async", True, group)
-
-
 def plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = None
                     ) -> Callable[[], Any]:
     engine, _, size = _target(group)
     if not 0 <= root_rank < size:
         raise DDLConfigError(f"broadcast: root_rank {root_rank} is outside 0..{size - 1}")
-    backend = _devices.backend_for(tensor) if group is None else None
-    if backend:
-        return _devices.plan_broadcast(backend, tensor, root_rank, inplace)
+    if route := _routed(tensor, group):
+        devices, backend = route
+        return devices.plan_broadcast(backend, tensor, root_rank, inplace)
     f = tensors.flatten(tensor)
     if inplace:
         result, g = f.original, f
@@ -527,32 +508,6 @@ def plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = 
     return job
 
 
-def broadcast(tensor, root_rank: int = 0, *, name: str | None = None,
-              group: Group | None = None):
-    """Return a copy of ``root_rank``'s tensor on every rank."""
-    return dispatch(plan_broadcast(tensor, root_rank, False, group),
-                     name or "broadcast", False, group)
-
-
-def broadcast_(tensor, root_rank: int = 0, *, name: str | None = None,
-               group: Group | None = None):
-    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
-    return dispatch(plan_broadcast(tensor, root_rank, True, group),
-                     name or "broadcast_", False, group)
-
-
-def broadcast_async(tensor, root_rank: int = 0, *, name: str | None = None,
-                    group: Group | None = None) -> Handle:
-    return dispatch(plan_broadcast(tensor, root_rank, False, group),
-                     name or "broadcast_async", True, group)
-
-
-def broadcast_async_(tensor, root_rank: int = 0, *, name: str | None = None,
-                     group: Group | None = None) -> Handle:
-    return dispatch(plan_broadcast(tensor, root_rank, True, group),
-                     name or "broadcast_async_", True, group)
-
-
 def split_rows(rows: int, n: int) -> list[int]:
     """How reduce_scatter splits dimension 0: as evenly as possible, lower ranks first."""
     return grid.even_split(rows, n)
@@ -561,11 +516,11 @@ def split_rows(rows: int, n: int) -> list[int]:
 def plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], Any]:
     engine, rank, size = _target(group)
     op = parse_op(op)
-    backend = _devices.backend_for(tensor, op) if group is None else None
-    if backend:
+    if route := _routed(tensor, group, op):
+        devices, backend = route
         rows, row_shape, row = _rows_of(tuple(tensor.shape), "reduce_scatter")
         split = split_rows(rows, size)
-        return _devices.plan_reduce_scatter(backend, tensor, op, [c * row for c in split],
+        return devices.plan_reduce_scatter(backend, tensor, op, [c * row for c in split],
                                             (split[rank],) + row_shape)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
@@ -582,18 +537,63 @@ def plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], 
     return job
 
 
-def reduce_scatter(tensor, op: ReduceOp | str = Average, *, name: str | None = None,
-                   group: Group | None = None):
-    """Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."""
-    return dispatch(plan_reduce_scatter(tensor, op, group),
-                     name or "reduce_scatter", False, group)
+# ------------------------------------------------------------------ the spellings
+# Every public spelling of a collective, one row each: its name, its arguments before
+# ``name``/``group``, the plan it queues, whether it returns a Handle at once, its doc
+# (None: "queued"). ``x_`` works in place. The functions are generated from the rows (as
+# dataclasses generates methods): each is exactly ``dispatch(plan, name or its name, async,
+# group)`` with the signature written here, no layer between it and its plan.
+_OP = "op: ReduceOp | str = Average"
+SPELLINGS: tuple[tuple[str, str, str, bool, str | None], ...] = (
+    ("allreduce", f"tensor, {_OP}, *, out=None", "plan_allreduce(tensor, op, out, False, group)",
+     False, "Reduce ``tensor`` over all ranks and return the result (a new tensor, or "
+            "``out``)."),
+    ("allreduce_", f"tensor, {_OP}, *", "plan_allreduce(tensor, op, None, True, group)", False,
+     "In-place allreduce; returns ``tensor``."),
+    ("allreduce_async", f"tensor, {_OP}, *, out=None",
+     "plan_allreduce(tensor, op, out, False, group)", True, None),
+    ("allreduce_async_", f"tensor, {_OP}, *", "plan_allreduce(tensor, op, None, True, group)",
+     True, None),
+    ("grouped_allreduce_", f"tensors, {_OP}, *",
+     "plan_allreduce_into(list(tensors), None, op, group)", False,
+     "Allreduce several tensors of one dtype in place, as one fused collective: the same "
+     "steps and bits as an allreduce of their concatenation, but no fusion buffer is filled "
+     "(each tensor is staged from where it lives). Returns ``tensors``."),
+    ("grouped_allreduce_async_", f"tensors, {_OP}, *",
+     "plan_allreduce_into(list(tensors), None, op, group)", True, None),
+    ("allgather", "tensor, *", "plan_allgather(tensor, group)", False,
+     "Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."),
+    ("allgather_async", "tensor, *", "plan_allgather(tensor, group)", True, None),
+    ("broadcast", "tensor, root_rank: int = 0, *",
+     "plan_broadcast(tensor, root_rank, False, group)", False,
+     "Return a copy of ``root_rank``'s tensor on every rank."),
+    ("broadcast_", "tensor, root_rank: int = 0, *",
+     "plan_broadcast(tensor, root_rank, True, group)", False,
+     "Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."),
+    ("broadcast_async", "tensor, root_rank: int = 0, *",
+     "plan_broadcast(tensor, root_rank, False, group)", True, None),
+    ("broadcast_async_", "tensor, root_rank: int = 0, *",
+     "plan_broadcast(tensor, root_rank, True, group)", True, None),
+    ("reduce_scatter", f"tensor, {_OP}, *", "plan_reduce_scatter(tensor, op, group)", False,
+     "Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."),
+    ("reduce_scatter_async", f"tensor, {_OP}, *", "plan_reduce_scatter(tensor, op, group)",
+     True, None),
+)
 
 
-def reduce_scatter_async(tensor, op: ReduceOp | str = Average, *,
-                         name: str | None = None,
-                         group: Group | None = None) -> Handle:
-    return dispatch(plan_reduce_scatter(tensor, op, group),
-                     name or "reduce_scatter_async", True, group)
+def _generate(rows: tuple[tuple[str, str, str, bool, str | None], ...]) -> None:
+    for label, args, plan, async_, doc in rows:
+        ret = "Handle" if async_ else "Any"
+        src = (f"def {label}({args}, name: str | None = None, group: Group | None = None"
+               f") -> {ret}:\n"
+               f"    return dispatch({plan}, name or {label!r}, {async_}, group)\n")
+        exec(src, globals())  # noqa: S102 - our own rows, as dataclasses does
+        globals()[label].__doc__ = doc if doc is not None else (
+            f"``{label.replace('_async', '')}``, queued: returns a Handle at once "
+            "(``synchronize``/``poll``, or ``handle.wait()`` for the result).")
+
+
+_generate(SPELLINGS)
 
 
 def barrier(*, group: Group | None = None) -> None:

@@ -152,7 +152,7 @@ def test_a_planted_heap_name_gives_a_clear_error():
 
 MIX = ("import os, time, numpy as np, ddl; ddl.init(); v = float(os.environ['VAL']); "
        "a = np.full(1001, v, np.float64); out = [float(ddl.allreduce(a, op=ddl.Sum)[0]) "
-       "for _ in range(10)]; print('RESULT', ddl.api._world.job_id, *out, flush=True); "
+       "for _ in range(10)]; print('RESULT', ddl.api.session().world.job_id, *out, flush=True); "
        "time.sleep(float(os.environ.get('HOLD', '0'))); ddl.shutdown()")
 
 

@@ -290,3 +290,37 @@ def test_diagnostics_print_their_line_on_stderr_when_logging_is_unconfigured(cap
     finally:
         log.setLevel(saved[0])
         log.handlers[:] = saved[1]
+
+
+def test_every_spelling_is_generated_from_its_row_and_runs():
+    """api.SPELLINGS: each row is a public function of ddl with the row's arguments then
+    name and group; in-place rows take no ``out``; async rows return a Handle whose result
+    is the blocking row's (1-rank world, numpy)."""
+    import inspect
+
+    import ddl
+    from ddl import api
+    from ddl.runtime import Handle
+
+    labels = [row[0] for row in api.SPELLINGS]
+    assert len(set(labels)) == len(labels) == 14
+    ddl.init()
+    try:
+        for label, args, _plan, async_, _doc in api.SPELLINGS:
+            fn = getattr(ddl, label)
+            assert fn is getattr(api, label) and fn.__name__ == label and fn.__doc__
+            params = list(inspect.signature(fn).parameters)
+            assert params[-2:] == ["name", "group"], (label, params)
+            assert ("out" in params) == ("out=None" in args), label
+            x = np.arange(6.0).reshape(3, 2)
+            arg = [x.copy()] if label.startswith("grouped") else x.copy()
+            got = fn(arg, name=f"t.{label}")
+            if async_:
+                assert isinstance(got, Handle)
+                got = got.wait()
+            got = got[0] if label.startswith("grouped") else got
+            np.testing.assert_array_equal(got, x)  # one rank: every collective is identity
+            with pytest.raises(TypeError, match=f"{label}\\(\\) got an unexpected"):
+                fn(x, bogus=1)
+    finally:
+        ddl.shutdown()

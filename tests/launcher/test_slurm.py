@@ -55,7 +55,7 @@ ddl.init()
 r, n = ddl.rank(), ddl.size()
 y = ddl.allreduce(np.full(1000, r + 1, dtype=np.float64), op=ddl.Sum)
 engine = ddl.engine_name()  # "ddl/gloo" or "ddl/mpi": what carries the hosts' part
-job_id = ddl.api._world.job_id  # scopes the job's shared memory
+job_id = ddl.api.session().world.job_id  # scopes the job's shared memory
 env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "DDL_HOSTS",
        "MASTER_ADDR", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NODEID",
        "SLURMD_NODENAME", "PMIX_RANK", "DDL_JOB_ID")}

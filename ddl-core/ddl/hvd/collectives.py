@@ -25,7 +25,7 @@ from ddl.ops import parse_op
 from . import adasum as _adasum
 from . import negotiate as ng
 from .arrays import NumpyOps, ops_for
-from .compression import Compressor, NoneCompressor
+from .compression import Compressor, NoneCompressor, passthrough
 from .negotiate import Call, Planned, code_of, submit
 from .process_sets import ProcessSet, global_process_set, scope
 
@@ -182,7 +182,7 @@ def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,
                     ndim=max((fw.ndim(s) for s, _ in sent), default=0),
                     layout=_members(fw, [s for s, _ in sent], False))
         rows = call.members()
-        direct = inplace and compression is NoneCompressor and pre == 1.0
+        direct = inplace and passthrough(compression) and pre == 1.0
         parts: list[tuple[list[int], Any, Callable[[], Any], float]] = []
         with fw.no_grad():
             for idx in ng.buckets(rows):

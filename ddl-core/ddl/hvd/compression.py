@@ -13,7 +13,15 @@ from .arrays import ops_for
 
 
 class Compressor:
-    """Interface: subclass and override both static methods."""
+    """Interface: subclass and override both static methods. The two class attributes tell
+    the fusion code what a compressor does without it knowing the class (a user's own
+    compressor keeps the safe defaults)."""
+
+    # compress() returns its input: gradients may be reduced where they live
+    passthrough = False
+    # compress() is at most a cast that a plain copy into a buffer of the wire dtype does
+    # exactly (no temporary, no ctx beyond the dtype)
+    cast_only = False
 
     @staticmethod
     def compress(tensor: Any) -> tuple[Any, Any]:
@@ -24,8 +32,18 @@ class Compressor:
         raise NotImplementedError
 
 
+def passthrough(compression: Any) -> bool:
+    return bool(getattr(compression, "passthrough", False))
+
+
+def cast_only(compression: Any) -> bool:
+    return bool(getattr(compression, "cast_only", False))
+
+
 class NoneCompressor(Compressor):
     """Send gradients as they are."""
+
+    passthrough = cast_only = True
 
     @staticmethod
     def compress(tensor: Any) -> tuple[Any, Any]:
@@ -38,6 +56,8 @@ class NoneCompressor(Compressor):
 
 class FP16Compressor(Compressor):
     """Send floating-point gradients as float16 (half the bytes); others unchanged."""
+
+    cast_only = True
 
     @staticmethod
     def compress(tensor: Any) -> tuple[Any, Any]:

@@ -434,7 +434,8 @@ def _device_route(st: _State) -> bool:
     """Whether some torch tensor of this job could go to a device engine (NCCL, or Gloo
     with DDL_DEVICE_ENGINE=gloo) rather than the job's engine. Without torch loaded none
     can, for now: the answer is cached in ``st.fold_ok`` only once it cannot change."""
-    router = getattr(_api, "_devices", None)
+    s = _api.session()
+    router = None if s is None else s.devices
     if router is None:
         return False
     if router.choice == "host":

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import ddl
+from ddl import timeline as _tl
 from ddl.hvd import collectives as C
 from ddl.hvd import negotiate as ng
 from ddl.hvd.compression import Compressor
@@ -35,8 +36,11 @@ def _run(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType
     """``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: now, or as one
     stateful op of the graph being traced."""
     if tf.executing_eagerly():
-        outs = fn(*[np.asarray(t) for t in inputs])
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+        device = _accelerator(inputs)
+        if device is None:
+            outs = fn(*[np.asarray(t) for t in inputs])
+            return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+        return _staged(fn, inputs, touts, name, device)
 
     def call(*arrays: np.ndarray) -> list[np.ndarray]:
         return [np.asarray(o) for o in fn(*arrays)]
@@ -44,6 +48,32 @@ def _run(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType
     outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
                              name=_op_name(name))
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _accelerator(inputs: Sequence[Any]) -> str | None:
+    """The device of the first input that lives off the host (a GPU), or None."""
+    for t in inputs:
+        device = getattr(t, "device", "") or ""
+        if ":GPU:" in device.upper():
+            return device
+    return None
+
+
+def _staged(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType],
+            name: str, device: str) -> list[tf.Tensor]:
+    """An eager call on GPU tensors: ddl's host engines need host memory, so the inputs are
+    copied to the host and the results back to ``device``, each copy a named range of the
+    timeline (``stage to host``/``stage to device``, with its bytes). Inside a
+    ``tf.function`` TensorFlow makes these copies around the ``numpy_function`` itself."""
+    with _tl.span("stage to host", "tensorflow",
+                  {"call": name, "device": device,
+                   "bytes": sum(int(np.prod(t.shape)) * t.dtype.size for t in inputs)}):
+        arrays = [np.asarray(t) for t in inputs]
+    outs = fn(*arrays)
+    with _tl.span("stage to device", "tensorflow",
+                  {"call": name, "device": device,
+                   "bytes": sum(int(np.asarray(o).nbytes) for o in outs)}), tf.device(device):
+        return [tf.identity(tf.convert_to_tensor(o, dtype=d)) for o, d in zip(outs, touts)]
 
 
 def _op_name(name: str) -> str:

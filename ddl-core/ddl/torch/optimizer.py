@@ -20,6 +20,8 @@ one rank gives the delta-combining optimizer of :mod:`ddl.torch.adasum_optimizer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
 import logging
 import threading
@@ -38,7 +40,7 @@ from ddl import timeline as _tl
 from ddl.hvd import fusion
 from ddl.hvd.adasum import is_adasum
 from ddl.hvd.collectives import check_process_set, resolve_op, submit_allreduce
-from ddl.hvd.compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from ddl.hvd.compression import Compression, Compressor, cast_only, passthrough
 from ddl.hvd.join import broadcast_plan, register_optimizer
 from ddl.hvd.negotiate import ALLREDUCE, Handle, fail_here
 from ddl.hvd.settings import cycle_time_ms as _default_cycle_ms
@@ -76,6 +78,37 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
                          "memory (%s); using an ordinary one, which the allreduce copies "
                          "through staging (slower; raise DDL_SHM_HEAP_BYTES)", numel, dtype, exc)
     return torch.empty(numel, dtype=dtype, device=device)
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one step's exchange has done so far (reset by every ``synchronize()``)."""
+
+    counts: list[int]  # per parameter: backward passes whose gradient reached its hook
+    waiting: list[int]  # per bucket: members whose gradient is not ready yet
+    handles: list[Any]  # per bucket: its allreduce's Handle, once launched
+    ctx: dict[int, Any]  # per parameter: the compressor's context for decompress
+    next: int = 0  # the next bucket to launch: launches go strictly in plan order
+    # buckets with sparse gradients: {member: its sparse handle}, and (bucket, buffer) of
+    # the dense rest or None
+    sparse_parts: dict[int, tuple[dict[int, Any], Any]] = dataclasses.field(
+        default_factory=dict)
+
+    @classmethod
+    def start(cls, params: int, plan: Sequence[fusion.Bucket]) -> _Step:
+        return cls(counts=[0] * params, waiting=[len(b.members) for b in plan],
+                   handles=[None] * len(plan), ctx={})
+
+
+class Exchange(str, enum.Enum):
+    """How a bucket's gradients went to its allreduce (``exchange_modes()``; equal to the
+    strings of the same value)."""
+
+    GRADS = "grads"  # reduced in place where the gradients live
+    INTO = "into"  # summed into the fusion buffer, whose views become the gradients
+    BUFFER = "buffer"  # the gradients were those views already: reduced in the buffer
+    PACKED = "packed"  # copied, cast or compressed into the buffer
+    SPARSE = "sparse"  # sparse gradients allgathered, the dense rest packed
 
 
 def checked_arguments(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None,
@@ -207,15 +240,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = [p for _, p in named if p.requires_grad]  # frozen ones never sync
         self._index = {id(p): i for i, p in enumerate(self._params)}
         # Plain copies are exact and need no temporary for the built-in compressors.
-        self._fast = compression in (NoneCompressor, FP16Compressor)
+        self._fast = cast_only(compression)
         # gradients go to the allreduce as they are: no cast, no scaling before the sum
-        self._direct = compression is NoneCompressor and self._prescale == 1.0
+        self._direct = passthrough(compression) and self._prescale == 1.0
         self._keys = [self._key(p) for p in self._params]
         self._numels = [p.numel() for p in self._params]
         self._itemsizes = [torch.empty(0, dtype=k[0]).element_size() for k in self._keys]
         self._fixed_groups = self._explicit_groups(num_groups, groups)
         self._lock = threading.Lock()
-        self._inline = False  # launches from synchronize() run on the caller's thread
         self._set_plan(self._initial_plan())
         self._ready_at = [float("nan")] * len(self._params)
         self._steps = 0
@@ -275,11 +307,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise TypeError("DistributedOptimizer cannot be pickled; save optimizer.state_dict()")
 
     def _key(self, p: torch.Tensor) -> tuple[torch.dtype, str]:
-        if self._compression is NoneCompressor:
+        if passthrough(self._compression):
             dtype = p.dtype
-        elif self._compression is FP16Compressor:
-            dtype = torch.float16 if p.dtype.is_floating_point else p.dtype
-        else:
+        else:  # the wire dtype: what the compressor makes of an empty tensor of this kind
             dtype = self._compression.compress(torch.empty(0, dtype=p.dtype,
                                                            device=p.device))[0].dtype
         return dtype, str(p.device)
@@ -321,19 +351,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # per bucket: the gradients of its last direct allreduce (weakly: to tell gradients
         # kept across steps from fresh ones) and where that allreduce put its sums
         self._kept: list[list[weakref.ref]] = [[] for _ in plan]
-        self._direct_mode: list[str | None] = [None] * len(plan)
-        self._last_modes: list[str | None] = []
+        self._direct_mode: list[Exchange | None] = [None] * len(plan)
+        self._last_modes: list[Exchange | None] = []
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._counts = [0] * len(self._params)
-        self._waiting = [len(b.members) for b in self._plan]
-        self._handles: list[Any] = [None] * len(self._plan)
-        self._ctx: dict[int, Any] = {}
-        self._next = 0  # next bucket to launch: launches go strictly in plan order
-        # buckets with sparse gradients: {member: its sparse handle}, and (bucket, buffer)
-        # of the dense rest or None
-        self._sparse_parts: dict[int, tuple[dict[int, Any], Any]] = {}
+        self._this_step = _Step.start(len(self._params), self._plan)
 
     # --------------------------------------------------------------------- hooks
     def _make_hook(self, i: int):
@@ -341,21 +364,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not self._should_synchronize:
                 return
             with self._lock:
-                self._counts[i] += 1
-                if self._counts[i] > self._bpps:
+                self._this_step.counts[i] += 1
+                if self._this_step.counts[i] > self._bpps:
                     raise too_many_passes(self._names[i], self._bpps)
-                if self._counts[i] < self._bpps:
+                if self._this_step.counts[i] < self._bpps:
                     return
                 self._ready_at[i] = time.perf_counter()
-                b = self._bucket_of[i]
-                self._waiting[b] -= 1
-                while self._next < len(self._plan) and self._waiting[self._next] == 0:
-                    self._launch(self._next)
-                    self._next += 1
+                b, step = self._bucket_of[i], self._this_step
+                step.waiting[b] -= 1
+                while step.next < len(self._plan) and step.waiting[step.next] == 0:
+                    self._launch(step.next)
+                    step.next += 1
 
         return hook
 
-    def _launch(self, b: int) -> None:
+    def _launch(self, b: int, inline: bool = False) -> None:
+        """Start bucket ``b``'s exchange: queued for ddl's worker from a gradient hook, or
+        ``inline`` from synchronize(), which waits at once (see ``_submit``)."""
         bucket = self._plan[b]
         dtype, device = bucket.key
         name = f"grad.bucket{b}"
@@ -364,16 +389,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except Exception as exc:
             # the bucket's allreduce still takes part in the exchange, so the other ranks'
             # raises too instead of waiting for this one
-            fail_here(ALLREDUCE, exc, name, async_=not self._inline)
+            fail_here(ALLREDUCE, exc, name, async_=not inline)
             raise
         if any(g.is_sparse for g in grads):
-            self._launch_sparse(b, bucket, grads, name)
+            self._launch_sparse(b, bucket, grads, name, inline)
             return
         if device == "cpu" and self._direct and all(g.dtype == dtype for g in grads):
-            self._launch_direct(b, bucket, grads, name)
+            self._launch_direct(b, bucket, grads, name, inline)
             return
         buf = self._buffer(b)
-        self._direct_mode[b] = "packed"
+        self._direct_mode[b] = Exchange.PACKED
         pack = functools.partial(self._pack, b, bucket, buf, grads)
         if buf.device.type == "cpu":
             # Copied in on ddl's worker thread, as Horovod's background thread does: the
@@ -383,17 +408,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             pack()  # on the caller's CUDA stream, which the collective then waits for
             before = None
-        self._submit(b, buf, name=name, inplace=True, prescale=self._prescale,
+        self._submit(b, inline, buf, name=name, inplace=True, prescale=self._prescale,
                      postscale=self._postscale, before=before)
 
-    def _launch_sparse(self, b: int, bucket: fusion.Bucket, grads: list, name: str) -> None:
+    def _launch_sparse(self, b: int, bucket: fusion.Bucket, grads: list, name: str,
+                       inline: bool) -> None:
         """A bucket holding sparse gradients (``nn.Embedding(sparse=True)`` without
         ``sparse_as_dense``), reduced as Horovod reduces them: each sparse one as the
         allgather of its indices and values (``sparse_allreduce_async``: Average divides
         the values by ``size()``), in member order; then the dense rest, packed into a
         bucket of their own. Every rank must have the same gradients sparse: a rank whose
         gradient is dense issues another call, which the exchange reports on every rank."""
-        self._direct_mode[b] = "sparse"
+        self._direct_mode[b] = Exchange.SPARSE
         self._kept[b] = []
         sparse = {i: sparse_allreduce_async(g, op=self._sparse_op)
                   for i, g in zip(bucket.members, grads) if g.is_sparse}
@@ -410,12 +436,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 pack()
                 before = None
-            self._submit(b, buf, name=name, inplace=True, prescale=self._prescale,
+            self._submit(b, inline, buf, name=name, inplace=True, prescale=self._prescale,
                          postscale=self._postscale, before=before)
             rest = (rest, buf)
         else:
-            self._handles[b] = Handle.ready(None)
-        self._sparse_parts[b] = (sparse, rest)
+            self._this_step.handles[b] = Handle.ready(None)
+        self._this_step.sparse_parts[b] = (sparse, rest)
 
     def _grads(self, bucket: fusion.Bucket) -> list[torch.Tensor]:
         grads = []
@@ -439,36 +465,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             buf = self._buffers[b] = _buffer(self._plan[b].numel, dtype, torch.device(device))
         return buf
 
-    def _launch_direct(self, b: int, bucket: fusion.Bucket, grads: list, name: str) -> None:
+    def _launch_direct(self, b: int, bucket: fusion.Bucket, grads: list, name: str,
+                       inline: bool) -> None:
         """CPU gradients sent as they are: never packed. Which memory the sum goes to
         depends on where the gradients live (all three are the same allreduce on the wire)."""
         buf = self._buffers[b]
         if buf is not None and self._in_place(bucket, buf, grads):
             # Accumulated straight into the shared buffer (zero_grad(set_to_none=False)
             # after a step that left views): peers read and write it in place, the cheapest.
-            self._submit(b, buf, name=name, inplace=True)
-            self._direct_mode[b] = "buffer"
+            self._submit(b, inline, buf, name=name, inplace=True)
+            self._direct_mode[b] = Exchange.BUFFER
         elif len(self._kept[b]) == len(grads) and all(r() is g
                                                       for r, g in zip(self._kept[b], grads)):
             # The same gradient tensors as last step (kept, not reset): sum them into the
             # buffer once and hand out views of it, so later steps take the branch above.
             buf = self._buffer(b)
-            self._submit(b, buf, name=name, sources=grads)
-            self._direct_mode[b] = "into"
+            self._submit(b, inline, buf, name=name, sources=grads)
+            self._direct_mode[b] = Exchange.INTO
         else:
             # Fresh gradients (zero_grad(set_to_none=True), the default): reduced in place,
             # each staged from where it lives; the buffer is not even needed for that.
-            self._submit(b, self._stand_in(bucket), name=name, inplace=True, sources=grads)
-            self._direct_mode[b] = "grads"
+            self._submit(b, inline, self._stand_in(bucket), name=name, inplace=True,
+                         sources=grads)
+            self._direct_mode[b] = Exchange.GRADS
         self._kept[b] = [weakref.ref(g) for g in grads]
 
-    def _submit(self, b: int, tensor: torch.Tensor, **kw: Any) -> None:
-        if self._inline:
+    def _submit(self, b: int, inline: bool, tensor: torch.Tensor, **kw: Any) -> None:
+        if inline:
             # from synchronize(), which waits at once: run on this thread when ddl has
             # nothing queued, as blocking calls do (no hand-off to and from the worker)
-            self._handles[b] = Handle.ready(submit_allreduce(tensor, self._op, async_=False, **kw))
+            self._this_step.handles[b] = Handle.ready(
+                submit_allreduce(tensor, self._op, async_=False, **kw))
         else:
-            self._handles[b] = submit_allreduce(tensor, self._op, **kw)
+            self._this_step.handles[b] = submit_allreduce(tensor, self._op, **kw)
 
     @staticmethod
     def _stand_in(bucket: fusion.Bucket) -> torch.Tensor:
@@ -490,16 +519,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if g.data_ptr() != dst.data_ptr():  # else: accumulated in place already
                         dst.copy_(g.reshape(-1))  # casts to float16 for Compression.fp16
                 else:
-                    c, self._ctx[i] = self._compression.compress(g)
+                    c, self._this_step.ctx[i] = self._compression.compress(g)
                     dst.copy_(c.reshape(-1))
             if self._prescale != 1.0:
                 buf.mul_(self._prescale)
 
     def _unpack(self, b: int) -> None:
-        if self._direct_mode[b] == "grads":
+        if self._direct_mode[b] is Exchange.GRADS:
             return  # the sums are in p.grad already
-        if self._direct_mode[b] == "sparse":
-            sparse, rest = self._sparse_parts[b]
+        if self._direct_mode[b] is Exchange.SPARSE:
+            sparse, rest = self._this_step.sparse_parts[b]
             for i, h in sparse.items():
                 self._params[i].grad = h.wait()  # coalesced, summed or averaged
             if rest is not None:
@@ -523,21 +552,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 elif self._fast:
                     p.grad.copy_(src)
                 else:
-                    p.grad.copy_(self._compression.decompress(src, self._ctx.get(i)))
+                    p.grad.copy_(self._compression.decompress(src, self._this_step.ctx.get(i)))
 
     # ----------------------------------------------------------------- public API
     def synchronize(self) -> None:
         """Finish every gradient allreduce of this step; ``p.grad`` then holds the result."""
         try:
             with self._lock:
-                self._inline = True
-                try:
-                    while self._next < len(self._plan):
-                        self._launch(self._next)
-                        self._next += 1
-                finally:
-                    self._inline = False
-            for b, h in enumerate(self._handles):
+                while self._this_step.next < len(self._plan):
+                    self._launch(self._this_step.next, inline=True)
+                    self._this_step.next += 1
+            for b, h in enumerate(self._this_step.handles):
                 h.wait()
                 self._unpack(b)
         finally:
@@ -591,7 +616,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(h is not None for h in self._handles):
+        if any(h is not None for h in self._this_step.handles):
             raise ddl.DDLError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): allreduces of this step's "
@@ -618,12 +643,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def exchange_modes(self) -> list[str | None]:
-        """How the last ``synchronize()`` moved each bucket: ``"grads"`` (reduced in place
-        where the gradients live), ``"into"`` (summed into the fusion buffer, whose views
-        become the gradients), ``"buffer"`` (gradients already were those views: reduced in
-        the buffer in place), ``"packed"`` (copied, cast or compressed into the buffer) or
-        ``"sparse"`` (sparse gradients allgathered, the dense rest packed)."""
-        return list(self._last_modes)
+        """How the last ``synchronize()`` moved each bucket: the values of ``Exchange``
+        (``"grads"``, ``"into"``, ``"buffer"``, ``"packed"``, ``"sparse"``), None for a
+        bucket that did not run."""
+        return [None if m is None else m.value for m in self._last_modes]
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the wrapper stops working)."""

@@ -136,5 +136,5 @@ for rows in (2 * N, 2 * N + 1):
               full[o : o + split[R]], torch.float32, same=False)
 
 print(json.dumps({"rank": R, "failed": failed, "digest": digest.hexdigest(),
-                  "device": ddl.api._devices.describe()}))
+                  "device": ddl.api.session().devices.describe()}))
 ddl.shutdown()

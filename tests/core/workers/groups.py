@@ -136,7 +136,7 @@ if R == 0 and N >= 3 and ddl.engine_name() != "ddl/mpi":
             "1.5s" in str(e), e
     else:
         raise SystemExit("new_group without its other member did not time out")
-    job = ddl.api._world.job_id
+    job = ddl.api.session().world.job_id
     left = [f for f in os.listdir("/dev/shm") if f.startswith(f"ddl-{job}-") and "ctl" in f]
     assert not left, left
     checks += 1
