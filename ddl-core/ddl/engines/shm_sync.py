@@ -57,6 +57,9 @@ def pid_alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # state is the field after "(comm)"
             return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except ProcessLookupError:
+        # the process was reaped between open() and read(): the kernel answers ESRCH
+        return False
     except (FileNotFoundError, IndexError):
         return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
