@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import platform
+import random
 import shutil
 import socket
 import struct
@@ -67,17 +68,29 @@ def port_free(port: int, addr: str = "") -> bool:
             return False
 
 
-def pick_free_pair(attempts: int = 64) -> int:
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def pick_free_pair(avoid: Sequence[int] = (), attempts: int = 500) -> int:
     """A port P with P and P+1 both free: the job binds MASTER_PORT and ddl's store binds
-    MASTER_PORT+1 (unless DDL_PORT says otherwise)."""
-    port = 0
+    MASTER_PORT+1 (unless DDL_PORT says otherwise). Drawn at random below the ephemeral
+    range: a port the kernel handed out would soon be some connection's source port, and
+    P+1 could be anybody's. ``avoid``: ports already given to another job of this run."""
+    top = _ephemeral_low() - 2
+    rng = random.Random()
     for _ in range(attempts):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-            if port < 65535 and port_free(port + 1):
-                return port
-    return port  # the check of the chosen ports will name the one that is taken
+        p = rng.randrange(max(1024, top - 12000), top)
+        if any(abs(p - q) <= 1 for q in avoid):
+            continue
+        if port_free(p) and port_free(p + 1):
+            return p
+    raise OSError(f"no free pair of ports in {max(1024, top - 12000)}-{top} "
+                  f"after {attempts} tries")
 
 
 def python_problem(python: str, run=subprocess.run) -> str | None:
@@ -119,7 +132,10 @@ def probe(ports: Sequence[int] = (), iface: str | None = None,
     facts["ports"] = {str(p): port_free(p) for p in ports}
     if python:
         facts["python_problem"] = python_problem(python)
-    facts["free_port"] = pick_free_pair()
+    # None: no free pair here; choosing the port then says so (steps.choose_port)
+    facts["free_port"] = None
+    with contextlib.suppress(OSError):
+        facts["free_port"] = pick_free_pair()
     return facts
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from ddl.engines import segments
 from ddl.errors import DDLShmError
-from ddl.perf.spawn import free_port, new_job_id
+from ddl.perf.spawn import new_job_id
+from ddlrun.preflight import pick_free_pair as free_port
 
 INIT = "import ddl; ddl.init(); print('joined', flush=True); ddl.shutdown()"
 MALLOC = ("import ddl; ddl.init(); a = ddl.malloc(10); a[:] = ddl.rank(); ddl.allreduce_(a); "

@@ -25,7 +25,7 @@ import pytest
 
 from ddl import rendezvous as rdv
 from ddl.errors import DDLConfigError, DDLError, DDLPeerError, DDLTimeoutError
-from ddl.perf.spawn import free_port
+from ddlrun.preflight import pick_free_pair as free_port
 
 SECRET = b"the-job-secret"
 LOCAL = "127.0.0.1"

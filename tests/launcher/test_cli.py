@@ -207,9 +207,15 @@ def test_preflight_checks_the_ports_the_job_binds_and_names_the_taken_one():
                                                                                     29501]
     assert list(job_ports(cfg("-H", "a,b", "-x", "DDL_PORT=31000", "p"), None, {})) == [31000]
     assert job_ports(c, None, {}) == {}
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    given: list[int] = []
     for _ in range(5):
-        p = pick_free_pair()
+        p = pick_free_pair(avoid=given)
         assert port_free(p) and port_free(p + 1)
+        assert p + 1 < ephemeral  # never a port the kernel may hand out as a source port
+        assert all(abs(p - q) > 1 for q in given)  # another job's pair is not shared
+        given.append(p)
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()

@@ -191,26 +191,19 @@ def _forward(args: argparse.Namespace, json_path: str | None) -> list[str]:
 def _spawn(args: argparse.Namespace) -> int:
     """One ddlrun job per --ranks count, its rows streamed as rank 0 prints them; mpirun
     launches the job when mpi is compared, so MPI_COMM_WORLD is the job."""
-    import subprocess
     import tempfile
+
+    from .ddlrun_job import ddlrun_argv, stream
 
     launcher = ["--launcher", "mpirun"] if "mpi" in _engines(args) else []
     worst, docs = 0, []
     with tempfile.TemporaryDirectory(prefix="ddl-perf-") as tmp:
         for n in args.ranks:
             part = os.path.join(tmp, f"{n}.json") if args.json else None
-            argv = [sys.executable, "-m", "ddlrun", "-n", str(n), "--no-tag-output",
-                    *launcher, sys.executable, "-m", "ddl.perf.cli", *_forward(args, part)]
+            argv = ddlrun_argv(n, _forward(args, part), args.timeout, launcher)
             print(f"# ddlrun -n {n} {' '.join(launcher)} ddl-perf "
                   f"{' '.join(_forward(args, None))}".replace("  ", " "), flush=True)
-            with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
-                try:
-                    for line in proc.stdout:
-                        print(line, end="", flush=True)
-                    code = proc.wait(timeout=args.timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()  # ddlrun tears its ranks down when it is killed
-                    code = 124
+            code = stream(argv, args.timeout, lambda line: print(line, end="", flush=True))
             if code:
                 print(f"# ddl-perf: the {n}-rank job exited with {code}", file=sys.stderr)
             worst = max(worst, abs(code))
@@ -235,10 +228,10 @@ def _ddl_env(args: argparse.Namespace) -> None:
         os.environ["DDL_OPTIONS"] = dataclasses.replace(opts, mode=mode, grid=grid).to_string()
     if "WORLD_SIZE" not in os.environ and topology.world_from_env().size == 1:
         # one rank of our own: torch's groups still want a rendezvous address
-        from .spawn import free_port
+        from ddlrun.preflight import pick_free_pair
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("MASTER_PORT", str(pick_free_pair()))
 
 
 def _collective(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:

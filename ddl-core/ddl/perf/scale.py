@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import train
+from .ddlrun_job import ddlrun_argv, stream
 
 
 def efficiency(points: Sequence[tuple[int, float]]) -> list[float]:
@@ -33,10 +34,10 @@ def efficiency(points: Sequence[tuple[int, float]]) -> list[float]:
     return [t * n0 / (n * t0) for n, t in points]
 
 
-def job_argv(ranks: int, train_args: Sequence[str], json_path: str) -> list[str]:
+def job_argv(ranks: int, train_args: Sequence[str], json_path: str,
+             timeout: float = 1800.0) -> list[str]:
     """The ddlrun command of one count (argv, never a shell line)."""
-    return [sys.executable, "-m", "ddlrun", "-n", str(ranks), "--no-tag-output",
-            sys.executable, "-m", "ddl.perf.cli", "train", *train_args, "--json", json_path]
+    return ddlrun_argv(ranks, ["train", *train_args, "--json", json_path], timeout)
 
 
 def scale_doc(runs: Sequence[dict], train_args: Sequence[str]) -> dict:
@@ -94,21 +95,18 @@ def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
         task = progress.add_task("starting", total=len(counts))
         for n in counts:
             part = os.path.join(tmp, f"{n}.json")
-            argv = job_argv(n, train_args, part)
+            argv = job_argv(n, train_args, part, timeout)
             progress.update(task, description=f"ddlrun -n {n} ddl-perf train")
             tail: list[str] = []
-            with start(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       bufsize=1) as proc:
-                try:
-                    for line in proc.stdout:
-                        tail = [*tail[-40:], line.rstrip("\n")]
-                        if line.startswith("# total"):
-                            progress.console.print(f"[{n} rank(s)] {line.strip()}",
-                                                   markup=False, highlight=False)
-                    code = proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()  # ddlrun tears its ranks down when it is killed
-                    code = 124
+
+            def seen(line: str, n: int = n) -> None:
+                nonlocal tail
+                tail = [*tail[-40:], line.rstrip("\n")]
+                if line.startswith("# total"):
+                    progress.console.print(f"[{n} rank(s)] {line.strip()}", markup=False,
+                                           highlight=False)
+
+            code = stream(argv, timeout, seen, merge_stderr=True, start=start)
             if code or not os.path.exists(part):
                 raise RuntimeError(f"the {n}-rank job exited with {code}:\n" + "\n".join(tail))
             with open(part) as f:

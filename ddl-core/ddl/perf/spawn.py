@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import random
-import socket
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -28,6 +26,7 @@ from ddlrun.backends.local import LocalBackend
 from ddlrun.hosts import HostSpec
 from ddlrun.output import OutputSink
 from ddlrun.plan import JobPlan, Request, make_plan
+from ddlrun.preflight import pick_free_pair
 from ddlrun.run import TIMEOUT_EXIT, Outcome, supervise
 
 
@@ -37,39 +36,6 @@ class RankResult:
     returncode: int
     stdout: str
     stderr: str
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(avoid: Sequence[int] = ()) -> int:
-    """A port P with P and P + 1 both free (torch's MASTER_PORT and ddl's store at
-    MASTER_PORT + 1), taken below the ephemeral range: a port the kernel handed out would
-    soon be some connection's source port, and P + 1 could be anybody's. ``avoid``: ports
-    already given to another job of this run."""
-    top = _ephemeral_low() - 2
-    rng = random.Random()
-    for _ in range(500):
-        p = rng.randrange(max(1024, top - 12000), top)
-        if any(abs(p - q) <= 1 for q in avoid):
-            continue
-        if _bindable(p) and _bindable(p + 1):
-            return p
-    raise OSError("no free pair of ports below the ephemeral range")
 
 
 def new_job_id(prefix: str = "job") -> str:
@@ -141,7 +107,7 @@ def run_job(n: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None
 
     On timeout every rank is stopped and a TimeoutError raised. The job's shared memory is
     removed afterwards whatever happened (the local backend's teardown)."""
-    plan = local_plan(n, argv, job_id or new_job_id(), free_port(), env, per_rank_env)
+    plan = local_plan(n, argv, job_id or new_job_id(), pick_free_pair(), env, per_rank_env)
     backend = LocalBackend(LaunchOptions(grace=grace))
     sink = _Capture()
     outcome: Outcome = supervise(plan, backend, sink, timeout, grace, fail_fast=fail_fast)

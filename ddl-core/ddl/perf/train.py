@@ -446,12 +446,13 @@ def format_result(doc: dict) -> str:
 # ----------------------------------------------------------------- measuring (ranks)
 def _alone_rendezvous() -> None:
     """One rank of our own: torch's process groups still want an address (this process)."""
+    from ddlrun.preflight import pick_free_pair
+
     from .. import topology
-    from .spawn import free_port
 
     if "WORLD_SIZE" not in os.environ and topology.world_from_env().size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("MASTER_PORT", str(pick_free_pair()))
 
 
 def _device(cfg: TrainConfig, local_rank: int) -> Any:
