@@ -169,15 +169,16 @@ class Profile:
     dims: tuple[DimProfile, ...]
     measured: tuple[dict, ...] = ()
 
-    def link(self, index: int, engine: str) -> Link | None:
-        """The link measured for this dimension and engine; else for this engine on any
-        dimension (the outermost such: a job with more dimensions than were measured
-        crosses at least that slow a link); None when the engine was never measured."""
+    def link(self, index: int | None, engine: str) -> Link | None:
+        """The link measured for this dimension and engine; else (or with ``index`` None: a
+        sub-group's one dimension across hosts) for this engine on any dimension, the
+        outermost such: a job with more dimensions than were measured crosses at least that
+        slow a link; None when the engine was never measured."""
         same = [d for d in self.dims if d.engine == engine]
         exact = [d for d in same if d.index == index]
         if exact:
             return exact[0].link
-        return same[-1].link if same else None
+        return max(same, key=lambda d: d.index).link if same else None
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, "machine": self.machine,
@@ -255,9 +256,10 @@ def env_profile() -> Profile | None:
     return _loaded[path]
 
 
-def link_for(index: int, engine: str, default: Link = NETWORK) -> Link:
-    """The Link mode ``b`` plans dimension ``index`` on ``engine`` with: measured when
-    DDL_COST_PROFILE has it, else ``default``."""
+def link_for(index: int | None, engine: str, default: Link = NETWORK) -> Link:
+    """The Link mode ``b`` plans dimension ``index`` (None: across hosts, see
+    ``Profile.link``) on ``engine`` with: measured when DDL_COST_PROFILE has it, else
+    ``default``."""
     profile = env_profile()
     found = profile.link(index, engine) if profile else None
     return found or default

@@ -127,10 +127,13 @@ class GroupMaker:
                          timeout=self._timeout, scope=scope, **kwargs)
 
     def _network(self, net: Any, pos: int, n: int):
+        from . import cost
         from .algorithms.dims import GroupDim
         from .algorithms.multidim import MultiDim
         from .engines.multihost import DimsEngine
 
-        multidim = MultiDim([GroupDim(net, 0, "b")], n, pos, chunk_bytes=self._chunk_bytes,
+        # mode b plans the group's one dimension on the measured link (DDL_COST_PROFILE)
+        dim = GroupDim(net, 0, "b", cost.link_for(None, net.name))
+        multidim = MultiDim([dim], n, pos, chunk_bytes=self._chunk_bytes,
                             timeout=self._timeout)
         return DimsEngine(multidim, net, n, pos, f"ddl/{net.name}")

@@ -165,6 +165,28 @@ def test_mode_b_plans_from_the_profile(tmp_path, monkeypatch):
     assert GroupDim(Group(), 1, "b").choose(64 << 20) == "native"
 
 
+def test_a_sub_group_across_hosts_plans_on_the_profiles_outermost_link(tmp_path, monkeypatch):
+    from ddl.groups import GroupMaker
+
+    doc = _profile_doc()
+    doc["dims"].append({"index": 2, "engine": "gloo", "size": 2, "alpha_s": 1.0,
+                        "beta_s_per_byte": 3e-8})  # the rack level: the slowest
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("DDL_COST_PROFILE", str(path))
+    assert cost.link_for(None, "gloo") == cost.Link(1.0, 3e-8)
+
+    class Net:
+        size, rank, name = 8, 0, "gloo"
+
+    maker = GroupMaker(None, None, None, timeout=5.0, chunk_bytes=1 << 20, shm_kwargs={})
+    dim = maker._network(Net(), 0, 8).multidim.dims[0]
+    assert dim.link == cost.Link(1.0, 3e-8)
+    assert dim.choose(64 << 20) == "hd"  # the latency-bound plan the measured link asks for
+    monkeypatch.delenv("DDL_COST_PROFILE")
+    assert maker._network(Net(), 0, 8).multidim.dims[0].link == cost.NETWORK
+
+
 def test_presets_have_a_row_per_gpu_count_and_their_published_figure():
     for name, c in PRESETS.items():
         counts = simulate.gpu_counts(c)
