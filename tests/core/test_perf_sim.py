@@ -209,3 +209,31 @@ def test_simulate_preset_prints_the_published_number(capsys):
     assert main(["simulate", "--preset", "goyal-2017"]) == 0
     out = capsys.readouterr().out
     assert "against 8 GPUs" in out and "published 89%" in out and "strong" in out
+
+
+def test_calibrate_times_calls_back_to_back_the_same_count_on_every_rank():
+    # a link that is fast for a lone call (a token bucket's burst) and slower sustained:
+    # the sustained cost is what back-to-back collectives see, and what is measured
+    now = [0.0]
+    state = {"since_barrier": 0, "agreed": []}
+
+    def barrier():
+        state["since_barrier"] = 0
+        now[0] += 1.0  # the bucket refills while the ranks meet
+
+    def run(buf):
+        state["since_barrier"] += 1
+        now[0] += 0.001 if state["since_barrier"] == 1 else 0.004
+
+    def agree(t):
+        state["agreed"].append(t)
+        return 0.002  # another rank was slower: its count is the one used
+
+    target = calibrate.Target(1, "gloo", 2, "native", run)
+    rows = calibrate.measure(target, [4096, 8192], 3, barrier, agree, clock=lambda: now[0],
+                             min_seconds=0.1)
+    assert state["agreed"] == pytest.approx([0.001, 0.001])  # each size's first timed call, agreed
+    # 0.1 s / 0.002 s = 50 calls per repetition: one burst call, 49 sustained
+    assert [b for b, _ in rows] == [4096, 8192]
+    for _, t in rows:
+        assert t == pytest.approx((0.001 + 49 * 0.004) / 50)

@@ -9,7 +9,7 @@ Run it inside a job, like the collective benchmarks::
 The job's grid is ranks per host x hosts (or ``--grid``). Every rank runs the same
 dimension's allreduce at the same time, so each line of a dimension shares its links with
 the other lines exactly as in the multi-dimensional allreduce; dimensions are timed one
-after the other, with a barrier between calls. Each dimension runs what the
+after the other, calls back to back within a repetition (``measure``). Each dimension runs what the
 multi-dimensional allreduce runs on it: the outermost an allreduce, an inner one a
 reduce-scatter then an allgather; across hosts on the engine's native collective (mode
 ``n``), inside a host on the shared-memory engine.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -152,19 +153,31 @@ def _phases(d, outermost: bool, f32) -> Callable[[np.ndarray], None]:
 
 
 def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], None],
-            clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, float]]:
-    """(bytes, median seconds on this rank) per size; one untimed call first."""
+            agree: Callable[[float], float] = lambda t: t,
+            clock: Callable[[], float] = time.perf_counter,
+            min_seconds: float = 0.25, max_calls: int = 1000) -> list[tuple[int, float]]:
+    """(bytes, median seconds per call on this rank) per size. Each repetition times calls
+    back to back, as training issues them and as ddl.perf.worker measures, so a link shows
+    its sustained cost (a token bucket drained, caches as they stay), not the burst a lone
+    call gets after a barrier. The calls per repetition fill ``min_seconds``, from the
+    slowest rank's first call (``agree``: the max over ranks), so every rank makes as many."""
     out = []
     for nbytes in sizes:
         buf = np.ones(max(1, nbytes // 4), np.float32)
         barrier()
+        target.run(buf)  # untimed: first-touch and plan costs
+        barrier()
+        t = clock()
         target.run(buf)
+        one = agree(clock() - t)
+        calls = int(min(max_calls, max(1, math.ceil(min_seconds / max(one, 1e-9)))))
         times = []
         for _ in range(reps):
             barrier()
             t = clock()
-            target.run(buf)
-            times.append(clock() - t)
+            for _ in range(calls):
+                target.run(buf)
+            times.append((clock() - t) / calls)
         out.append((buf.nbytes, float(np.median(times))))
     return out
 
@@ -192,9 +205,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where rank 0 writes the profile")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"message sizes timed per dimension (default {DEFAULT_SIZES})")
-    p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per size (5)")
+    p.add_argument("-n", "--iters", type=int, default=5,
+                   help="timed repetitions per size, the median kept (5)")
+    p.add_argument("--min-seconds", type=float, default=0.25,
+                   help="each repetition times calls back to back for at least this long "
+                        "(0.25)")
     p.add_argument("--grid", metavar="AxB", help="grid to calibrate (default: ranks per "
                                                  "host x hosts)")
+
+
+def _slowest(seconds: float) -> float:
+    import ddl
+
+    return float(ddl.allreduce(np.array([seconds]), op=ddl.Max)[0])
 
 
 def calibrate_main(args: argparse.Namespace) -> int:
@@ -221,7 +244,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
             return 2
         rows = []
         for target in found:
-            local = measure(target, sizes, args.iters, ddl.barrier)
+            local = measure(target, sizes, args.iters, ddl.barrier, _slowest,
+                            min_seconds=args.min_seconds)
             # the dimension is as slow as its slowest member: agree on the max
             worst = ddl.allreduce(np.array([t for _, t in local]), op=ddl.Max)
             rows += [{"dim": target.index, "engine": target.engine, "size": target.size,
