@@ -2,7 +2,8 @@
 or fail explicitly, or call a helper of the tests tree that does.
 
 An AST pass over every ``test_*.py`` under tests/: a test is a ``def test_*`` (top level or
-a method of a class). A function *checks* when its body has an ``assert``, a ``raise``, a
+a method of a class). A function *checks* when its body has an ``assert`` that can fail (not
+``assert 1``, ``assert x or True``), a ``raise``, a
 call of ``pytest.raises/warns/fail/skip/xfail/exit`` or of an ``assert*`` function or method
 (``np.testing.assert_array_equal``, ``self.assertEqual``, ``m.assert_called_once()``), or
 calls by name, up to ``DEPTH`` calls deep, a function that checks, defined in the same module
@@ -32,8 +33,18 @@ class Module:
     modules: dict[str, Path] = field(default_factory=dict)  # imported tests modules
 
 
+def _always_true(test: ast.expr) -> bool:
+    """``assert 1``, ``assert "why"``, ``assert x or True``: true whatever the code does."""
+    if isinstance(test, ast.Constant):
+        return bool(test.value)
+    return (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or)
+            and any(_always_true(v) for v in test.values))
+
+
 def _direct_check(node: ast.AST) -> bool:
-    if isinstance(node, (ast.Assert, ast.Raise)):
+    if isinstance(node, ast.Assert):
+        return not _always_true(node.test)
+    if isinstance(node, ast.Raise):
         return True
     if isinstance(node, ast.Call):
         func = node.func
@@ -157,7 +168,7 @@ def test_the_check_tells_honest_tests_from_hollow_ones(tmp_path):
         "from .util import deeper, quiet\n"
         "from . import util\n"
         "def _mine(x):\n    deeper(x)\n"
-        "def test_assert():\n    assert 1\n"
+        "def test_assert():\n    assert len('a') == 1\n"
         "def test_raises():\n    with pytest.raises(ValueError):\n        int('x')\n"
         "def test_skip():\n    pytest.skip('why')\n"
         "def test_helper_chain():\n    _mine(1)\n"
@@ -166,9 +177,11 @@ def test_the_check_tells_honest_tests_from_hollow_ones(tmp_path):
         "def test_hollow():\n    quiet(1)\n"
         "def test_empty():\n    pass\n"
         "def test_alias_hollow():\n    util.quiet(1)\n"
+        "def test_always_true():\n    assert quiet(1) or True\n    assert 'why'\n"
         "class TestK:\n    def test_m(self):\n        self.assertEqual(1, 1)\n"
         "    def test_n(self):\n        print(1)\n")
     bad = Scanner(tests).offenders()
     assert bad == [f"tests/sub/test_x.py:{n}: {q} checks nothing"
                    for n, q in [(20, "test_hollow"), (22, "test_empty"),
-                                (24, "test_alias_hollow"), (29, "TestK.test_n")]]
+                                (24, "test_alias_hollow"), (26, "test_always_true"),
+                                (32, "TestK.test_n")]]

@@ -153,21 +153,46 @@ def test_samples_are_found_with_their_markers(tmp_path):
                    (12, "python", "x = 1\n", None), (15, "sh", "ls\n", None)]
 
 
-def test_every_module_is_on_the_architecture_map():
-    """docs/architecture.md names every module of the core and the launcher (by its file
-    name, under its package's heading), so the map cannot silently fall behind."""
-    import pathlib
-    import re
+MAP_ENTRY_INDENT = 24  # deeper lines of the map continue the entry above them
+MAP_NAME = re.compile(r"(?<![\w/.])(?:[A-Za-z_]\w*\.py|__init__)\b")
 
-    root = pathlib.Path(__file__).resolve().parents[2]
-    text = (root / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"[A-Za-z_]+\.py", text)) | set(re.findall(r"\b([a-z_]+)/", text))
-    missing = []
-    for base in (root / "ddl-core" / "ddl", root / "launcher" / "ddlrun"):
-        for path in sorted(base.rglob("*.py")):
-            if path.name == "__init__.py" and path.parent != base:
-                if path.parent.name not in named:
-                    missing.append(str(path.relative_to(root)))
-            elif path.name not in named and path.name != "__init__.py":
-                missing.append(str(path.relative_to(root)))
+
+def mapped_paths(text: str) -> set[str]:
+    """Every module path the map (the first code block) names: a name counts under the
+    folder heading (``engines/``) it is listed beneath, so ``shm.py`` under ``engines/``
+    does not also stand for ``launcher/ddlrun/shm.py``; a name spelt with a folder
+    (``hvd/fusion.py`` in a description) stands for nothing."""
+    stack: list[tuple[int, str]] = []  # (indent, "folder/") of the open headings
+    named, here = set(), ""
+    for line in text.split("```", 2)[1].splitlines()[1:]:
+        body = line.strip()
+        if not body:
+            continue
+        indent, first = len(line) - len(line.lstrip()), body.split()[0]
+        if indent < MAP_ENTRY_INDENT:
+            stack = [(i, d) for i, d in stack if i < indent]
+            if first.endswith("/"):
+                stack.append((indent, first))
+                named.add("".join(d for _, d in stack) + "__init__.py")
+            here = "".join(d for _, d in stack)
+        named |= {here + (n if n.endswith(".py") else "__init__.py")
+                  for n in MAP_NAME.findall(body)}
+    return named
+
+
+def test_the_map_names_a_module_under_its_own_folder_only():
+    text = ("```\nlib/\n  a.py  x\n  sub/  __init__ (y)\n    a.py b.py  z, not sub/c.py\n"
+            "                        nor c.py (a continuation: still sub/)\n  d.py\n```\n")
+    assert mapped_paths(text) == {"lib/__init__.py", "lib/a.py", "lib/sub/__init__.py",
+                                  "lib/sub/a.py", "lib/sub/b.py", "lib/sub/c.py", "lib/d.py"}
+
+
+def test_every_module_is_on_the_architecture_map():
+    """docs/architecture.md names every module of the core and the launcher under its
+    package's heading, so the map cannot silently fall behind (a second ``shm.py`` or
+    ``mpi_ops.py`` is not covered by the first)."""
+    named = mapped_paths((DOCS / "architecture.md").read_text())
+    missing = [rel for base in ("ddl-core/ddl", "launcher/ddlrun")
+               for path in sorted((ROOT / base).rglob("*.py"))
+               if (rel := str(path.relative_to(ROOT))) not in named]
     assert not missing, f"modules missing from docs/architecture.md: {missing}"

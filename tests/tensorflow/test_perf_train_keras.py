@@ -124,8 +124,7 @@ def test_keras_models_have_the_torch_parameter_counts():
     # moving means and variances (torch's buffers)
     assert got["resnet50"]["total"] == train_keras.RESNET50_PARAMS == 25_557_032 + 79_680
     assert got["resnet50"]["trainable"] == 25_557_032 + 26_560
-    torch = pytest.importorskip("torch")  # and the torch model itself, where installed
-    assert torch is not None
+    pytest.importorskip("torch")  # and the torch model itself, where installed
     net = models.build(models.ModelSpec("gpt2", width=48, layers=2, heads=4, vocab=37,
                                         seq_len=10))
     assert models.count_params(net) == got["48"]["total"]
