@@ -194,7 +194,7 @@ def _make_engine(world: World, opts: options.Options, rdzv: Any = None):
 
 
 def _port() -> int:
-    return config.get("DDL_PORT") or config.get("MASTER_PORT") + 1
+    return config.store_port(config.get("MASTER_PORT"), config.get("DDL_PORT"))
 
 
 def _have(module: str) -> bool:

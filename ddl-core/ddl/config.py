@@ -285,6 +285,12 @@ def init_timeout(environ: Mapping[str, str] | None = None) -> float:
     return get("DDL_TIMEOUT", environ) if value is None else value
 
 
+def store_port(master_port: int, ddl_port: int | None = None) -> int:
+    """The port of ddl's store: DDL_PORT, else MASTER_PORT + 1, so torch's own group keeps
+    MASTER_PORT (the core binds it; ddlrun checks it is free before the job starts)."""
+    return ddl_port or master_port + 1
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(name, default, doc) for every variable, for docs and ``ddl-perf env``."""
     return [(v.name, "" if v.default is None else str(v.default), v.doc) for v in _VARS]

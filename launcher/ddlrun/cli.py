@@ -43,7 +43,7 @@ from .hosts import (
 )
 from .output import OutputSink, silence
 from .plan import Request, parse_rankfile, validate_env_name
-from .steps import act, job_inputs, plan_job, preflight, run_cleanup
+from .steps import FALLBACK_PORT, act, job_inputs, plan_job, preflight, run_cleanup
 
 LAUNCHERS = ("auto", "local", "ssh", "mpirun", "slurm", "lsf")
 
@@ -345,7 +345,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
             accelerators, nproc = nproc // nnodes, None
         hosts = (HostSpec("localhost"),)
         launcher = "local"
-        master_port = master_port or 29500  # every node must agree: no free-port pick
+        master_port = master_port or FALLBACK_PORT  # every node must agree: no free pick
     elif args.hosts:
         hosts = parse_host_list(args.hosts)
     elif args.hostfile:

@@ -89,7 +89,9 @@ def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) 
     if master_port:
         ports[master_port] = (f"MASTER_PORT {master_port} (torch's init_process_group binds "
                               "it)")
-        store = store or master_port + 1
+        from ddl.config import store_port  # the core binds it: its rule
+
+        store = store_port(master_port, store)
     if store:
         ports.setdefault(store, f"ddl's store port {store} (DDL_PORT, default MASTER_PORT+1)")
     return ports
