@@ -57,13 +57,12 @@ class DistributedAdasumOptimizer(DistributedOptimizer):
         if gradient_predivide_factor != 1.0:
             raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average, not Adasum")
         check_size(ddl.size())
-        self._init_optimizer_base()
-        self._opt = optimizer
+        self._init_base(optimizer)
         self._compression = compression
         self._bpps = backward_passes_per_step
         self._names = [n for n, p in named if p.requires_grad]
         self._params = [p for _, p in named if p.requires_grad]
-        self._counts = [0] * len(self._params)
+        self._passes = [0] * len(self._params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
 
@@ -72,8 +71,8 @@ class DistributedAdasumOptimizer(DistributedOptimizer):
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            self._counts[i] += 1
-            if self._counts[i] > self._bpps:
+            self._passes[i] += 1
+            if self._passes[i] > self._bpps:
                 raise too_many_passes(self._names[i], self._bpps)
 
         return hook
@@ -94,7 +93,7 @@ class DistributedAdasumOptimizer(DistributedOptimizer):
             start = [p.detach().clone() for p in self._params]
             self._opt.step()
             deltas = [p.detach() - s for p, s in zip(self._params, start)]
-        self._counts = [0] * len(self._params)
+        self._passes = [0] * len(self._params)
         combined = C.grouped_allreduce(deltas, op=Adasum, compression=self._compression,
                                        name=None)
         with torch.no_grad():

@@ -123,7 +123,7 @@ def train():
     # re-planned in epoch 2)
     plans = hvd.allgather_object([b.members for b in opt.buckets])
     out["plans_equal"] = all(p == plans[0] for p in plans)
-    out["replanned"] = opt._replanned
+    out["replanned"] = opt._exchange.replanned
     return out
 
 
