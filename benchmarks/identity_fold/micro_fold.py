@@ -1,94 +1,88 @@
-"""Single-process cost of the folded identity path's pieces (a 1-rank ShmEngine: no waits).
-min over repeats of timeit on this thread's CPU time (load-proof), us per call."""
-import os
+"""Single-process CPU cost of the folded identity exchange (a 1-rank ShmEngine: no waits):
+min over interleaved repeats of timeit on this thread's CPU time (load-proof), us per call.
+
+    python benchmarks/identity_fold/micro_fold.py [parts]
+
+The headline is ``added``: negotiate's folded path around an engine allreduce of 1 KiB
+(``_run_folded``: the cached descriptor patched, armed, written, compared, disarmed) minus
+the same engine allreduce without a descriptor. The script runs on an older checkout too
+(``PYTHONPATH=OLD/ddl-core:OLD/launcher``), so before and after can be run side by side.
+"""
+
+import inspect
+import itertools
 import sys
 import time
 import timeit
+import types
 
 import numpy as np
 
 import ddl
 from ddl import dtypes
 from ddl.engines.shm import ShmEngine
-from ddl.engines.shm_meta import Fold
 from ddl.hvd import negotiate as ng
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import old_engine  # noqa: E402
-
-old_mod = old_engine.load()
 
 kw = dict(job_id="microfold", host_index=0, local_rank=0, local_size=1, global_rank=0,
           heap_bytes=1 << 20, token=1)
-new = ShmEngine(scope="mnew", **kw)
-old = old_mod.ShmEngine(scope="mold", **kw)
+eng = ShmEngine(scope="mfold", **kw)
 F32, I64 = dtypes.BY_NAME["float32"], dtypes.BY_NAME["int64"]
 x = np.ones(256, np.float32)
-import types  # noqa: E402
 
-ng._state.group = types.SimpleNamespace(rank=0, size=1, ranks=[0], engine=new)  # no init
+st = ng._state
+st.group = types.SimpleNamespace(rank=0, size=1, ranks=[0], engine=eng)  # no init needed
 call = ng.Call(ng.ALLREDUCE, int(ddl.Sum), F32.code, (256,))
-d = ng._mine(call, False, 0, 0)
+seqs = itertools.count()
+extra = (st,) if len(inspect.signature(ng._run_folded).parameters) == 6 else ()
 
 
-def folded():
-    t, _ = ng._folded_pair(call)
-    e = t.copy()
-    e[ng.SEQ], e[ng.SEQ + ng._AGREED], e[ng.PAYLOAD] = 0, 0, 0
-    f = Fold(e, ng.problem, ng._AGREED)
-    new.fold_identity(f)
-    new.allreduce(x, x, F32, ddl.Sum, x.shape)
-    new.cancel_fold()
+def data(r):
+    eng.allreduce(x, x, F32, ddl.Sum, x.shape)
 
 
-def folded_rooted():  # no fast path: MAX computed and problem() called
-    f = Fold(ng._mine(call, False, 0, 0), ng.problem, 0)
-    new.fold_identity(f)
-    new.allreduce(x, x, F32, ddl.Sum, x.shape)
-    new.cancel_fold()
+if extra:
+    def folded():
+        ng._run_folded(call, next(seqs), 0, data, eng, st)
+else:  # the code before the cached fold
+    def folded():
+        ng._run_folded(call, next(seqs), 0, data, eng)
 
 
-def separate_before():  # the old exchange on the old engine: an allreduce(MAX) of int64[48]
-    e = ng._mine(call, False, 0, 0)
-    old.allreduce(e, e, I64, ddl.Max, e.shape)
-    old.allreduce(x, x, F32, ddl.Sum, x.shape)
+def separate():  # the exchange as a step of its own (a joined peer's way), then the data
+    ng._negotiate(call, next(seqs), 0, None)
+    data(None)
 
 
 cases = {
-    "engine before: allreduce 1 KiB": lambda: old.allreduce(x, x, F32, ddl.Sum, x.shape),
-    "engine after: allreduce 1 KiB": lambda: new.allreduce(x, x, F32, ddl.Sum, x.shape),
-    "engine after: exchange_identity alone": lambda: new.exchange_identity(d.copy()),
-    "before: separate exchange + allreduce": separate_before,
-    "after: folded (fast path) + allreduce": folded,
-    "after: folded (MAX + problem) + allreduce": folded_rooted,
+    "engine allreduce 1 KiB, no descriptor": lambda: data(None),
+    "folded exchange + engine allreduce": folded,
+    "separate exchange + engine allreduce": separate,
     "negotiate: _mine": lambda: ng._mine(call, False, 0, 0),
-    "negotiate: problem(r)": lambda: ng.problem(d),
+    "negotiate: problem(r)": lambda: ng.problem(ng._mine(call, False, 0, 0)),
 }
-n = 20000
-best = {k: float("inf") for k in cases}
-for _ in range(7):  # interleaved repeats: load hits every case alike
+n = 5000
+best = dict.fromkeys(cases, float("inf"))
+for _ in range(40):  # interleaved repeats: load hits every case alike
     for k, fn in cases.items():
         best[k] = min(best[k], timeit.Timer(fn, timer=time.thread_time).timeit(number=n) / n * 1e6)
+print(f"# {ng.__file__}")
 for k, v in best.items():
     print(f"{v:7.2f} us  {k}")
+added = best["folded exchange + engine allreduce"] - best["engine allreduce 1 KiB, no descriptor"]
+print(f"{added:7.2f} us  added: folded exchange over the plain engine allreduce")
 
-if len(sys.argv) > 1:
-    from ddl.engines.shm_meta import check_identity
-    f = Fold(d, ng.problem, ng._AGREED)
+if "parts" in sys.argv[1:]:
+    fold = (ng._prepared_fold(call, st)[0] if hasattr(ng, "_prepared_fold") else None)
     parts = {
-        "Fold()": lambda: Fold(d, ng.problem, ng._AGREED),
-        "check_identity": lambda: check_identity(d),
-        "idents.write": lambda: new._idents.write(0, d),
-        "idents.same": lambda: new._idents.same(0, 21),
-        "idents.flags": lambda: new._idents.flags(0),
-        "idents.result": lambda: new._idents.result(0),
-        "fold_identity+cancel": lambda: (new.fold_identity(f), new.cancel_fold()),
-        "_folded_pair": lambda: ng._folded_pair(call),
-        "MetaKey": lambda: ng.Call(1, 2, 3, (4,)),
+        "fold_identity+cancel_fold": lambda: (eng.fold_identity(fold), eng.cancel_fold()),
+        "idents.same": lambda: eng._idents.same(0, fold),
+        "st.folds.get(call)": lambda: st.folds.get(call),
+        "hash(call)": lambda: hash(call),
     }
     for k, fn in parts.items():
+        if fold is None:
+            break
         v = min(timeit.Timer(fn, timer=time.thread_time).timeit(number=n) / n * 1e6
                 for _ in range(5))
         print(f"{v:7.2f} us  {k}")
-new.close()
-old.close()
+eng.close()

@@ -239,7 +239,9 @@ class ShmEngine:
         self._records = Records(self._q, self._qb, self._blk, local_rank, self._peer_grank)
         self._words = np.frombuffer(self._mm, np.int64, count=self._ctl_bytes // 8)
         self._idents = Identities(self._q, self._qb, self._words, self._blk, local_rank, _W)
-        self._fold: Fold | None = None
+        # the fold the next collective's first step carries (fold_identity); None once one
+        # took it: its owner reads this to know whether one did
+        self.armed: Fold | None = None
 
     # ------------------------------------------------------------------ setup
     def _create_or_attach(self, total: int, init_timeout: float) -> mmap.mmap:
@@ -355,48 +357,54 @@ class ShmEngine:
         its record (and the call identity armed by ``fold_identity``), synchronise, settle
         the identities, and check that every rank runs the same collective."""
         p = s & 1
-        fold = self._fold
+        fold = self.armed
         if fold is None:
             self._records.write(p, key)
         else:
-            self._fold = None
+            self.armed = None
             self._records.write(p, key, FOLDED)
-            self._idents.write(p, fold.desc)
+            record, mine, peers = self._idents.span(p, fold)
+            record[:] = fold.image  # (Identities.write_fold, inline: the hot path)
         self._step.arrive(s)
         self._step.wait_all(s, what)
         if fold is not None:
-            self._settle_identities(p, fold, what)
+            # Every rank folded the same call (the head words hold the flags): the data
+            # moves, nothing to compute (Identities.same, inline). A peer that runs a core
+            # call here has a stale identity record, maybe equal to ours, but its metadata
+            # key differs: the records' check below raises.
+            if fold.same:
+                for theirs in peers:
+                    if theirs != mine:
+                        break
+                else:
+                    fold = None
+            if fold is not None:
+                self._settle_identities(p, fold, what)
         # (a peer whose step carries an identity while ours does not differs in its key)
         self._records.check(p, spans, what)
 
     def _settle_identities(self, p: int, fold: Fold | None, what: tuple) -> np.ndarray | None:
-        """After a step that carried our identity: the MAX of every rank's descriptor, or
-        ``Unfolded`` (with it) where this rank folded its identity into a data step whose
-        data must not move. Every rank decides from the same records."""
+        """After a step that carried our identity, unless every rank folded the same call:
+        the MAX of every rank's descriptor, or ``Unfolded`` (with it) where this rank folded
+        its identity into a data step whose data must not move. Every rank decides from the
+        same records."""
         flags = self._idents.flags(p)
-        if (fold is not None and fold.same and all(f == FOLDED for f in flags)
-                and self._idents.same(p, fold.same)):
-            return None  # the same call everywhere: the data moves, nothing to compute
         if not all(flags) or not self._idents.lengths_agree(p):
             raise DDLMismatchError(self._records.mixed_report(p))
         result = self._idents.result(p)
-        if fold is not None:
-            if all(f == FOLDED for f in flags) and not fold.stop(result):
-                fold.result = result
-            else:
-                raise Unfolded(result)
+        if fold is not None and (not all(f == FOLDED for f in flags) or fold.stop(result)):
+            raise Unfolded(result)
         return result
 
     def fold_identity(self, fold: Fold) -> None:
         """Carry ``fold.desc`` in the first step of the next collective on this engine. That
         collective raises ``Unfolded`` where its data must not move (see the module
-        docstring and ``Fold``)."""
-        check_identity(fold.desc)
-        self._fold = fold
+        docstring and ``Fold``, which checked the descriptor when it was made)."""
+        self.armed = fold
 
     def cancel_fold(self) -> Fold | None:
         """Disarm a fold no collective took (the call moved no data here); returns it."""
-        fold, self._fold = self._fold, None
+        fold, self.armed = self.armed, None
         return fold
 
     def exchange_identity(self, desc: np.ndarray) -> np.ndarray:
@@ -409,7 +417,7 @@ class ShmEngine:
         what = ("identity exchange", "int64", desc.size, None)
         check_identity(desc)
         self._records.write(p, MetaKey(coll_key(IDENTITY), 0, desc.size, ()), ALONE)
-        self._idents.write(p, desc)
+        self._idents.write(p, desc, ALONE)
         self._step.arrive(s)
         self._step.wait_all(s, what)
         desc[:] = self._settle_identities(p, None, what)

@@ -87,27 +87,27 @@ class Records:
         self._peer_bytes = [(blocks[i] * 8, i) for i in range(len(blocks)) if i != rank]
         self._grank = granks
         self._me = f"rank {granks[rank]}"
-        self._cache: dict[MetaKey, memoryview] = {}
+        # encoded records, one cache per identity flag (each flag changes the key word)
+        self._caches: tuple[dict[MetaKey, memoryview], ...] = ({}, {}, {})
 
     def write(self, p: int, key: MetaKey, ident: int = NO_IDENT) -> None:
         """This rank's record for parity ``p`` (written before the step's counter), with
         ``ident`` saying whether the step also carries this rank's call identity."""
-        words = self._cache.get(key)
+        cache = self._caches[ident]
+        words = cache.get(key)
         if words is None:
-            words = self._encode(key)
-            if len(self._cache) > 1024:
-                self._cache.clear()
-            self._cache[key] = words
+            words = self._encode(key, ident)
+            if len(cache) > 1024:
+                cache.clear()
+            cache[key] = words
         m = self._mine[p]
         self._q[m : m + RECORD_WORDS] = words
-        if ident:
-            self._q[m + M_KEY] = key.coll_key | ident << IDENT_SHIFT
 
     @staticmethod
-    def _encode(key: MetaKey) -> memoryview:
+    def _encode(key: MetaKey, ident: int) -> memoryview:
         dims = [int(d) for d in key.shape[:MAX_DIMS]]
-        rec = [key.coll_key, key.dtype, key.count, shape_hash(key.shape), key.root,
-               key.in_loc, key.out_loc, len(key.shape)]
+        rec = [key.coll_key | ident << IDENT_SHIFT, key.dtype, key.count, shape_hash(key.shape),
+               key.root, key.in_loc, key.out_loc, len(key.shape)]
         rec += dims + [0] * (MAX_DIMS - len(dims))
         return memoryview(array.array("q", rec + [0] * (RECORD_WORDS - len(rec))))
 
@@ -190,17 +190,35 @@ class Unfolded(Exception):  # noqa: N818 - an outcome, not a failure
 
 
 class Fold:
-    """A descriptor to carry in the next collective's first step. ``stop(result)`` says
-    whether the data phase must not run (the same answer on every rank: the same result).
-    When every rank folded and the first ``same`` words of every descriptor are ours, the
-    data moves at once (the caller vouches that ``stop`` would say no): nothing is
-    computed. Otherwise ``result`` is set once the data phase went ahead."""
+    """A descriptor to carry in the first step of the next collective, made once per kind
+    of call and reused (so checked once, here): its owner patches the words that change
+    between calls (``words``, the descriptor as int64s) before arming it again.
+    ``stop(result)`` says whether the data phase must not run (the same answer on every
+    rank: the same result). When every rank folded and the first ``same`` words of every
+    descriptor are ours, the data moves at once (the caller vouches that ``stop`` would say
+    no): nothing is computed."""
 
-    __slots__ = ("desc", "stop", "same", "result")
+    __slots__ = ("desc", "words", "image", "stop", "same", "shape")
 
     def __init__(self, desc: np.ndarray, stop: Callable[[np.ndarray], bool], same: int = 0):
-        self.desc, self.stop, self.same = desc, stop, same
-        self.result: np.ndarray | None = None
+        check_identity(desc)
+        if not 0 <= same <= desc.size:
+            raise DDLConfigError(f"a fold compares at most its {desc.size} words, not {same}")
+        # The record as it is written: its head word (length and flag), then the words.
+        record = np.empty(desc.size + 1, dtype=np.int64)
+        record[0] = head(desc.size, FOLDED)
+        record[1:] = desc
+        self.desc = record[1:]  # a view: patched through ``words`` as well
+        self.image = memoryview(record).cast("B").cast("q")
+        self.words = self.image[1:]
+        self.stop, self.same = stop, same
+        self.shape = (desc.size + 1) << 16 | same  # the views it needs (Identities.span)
+
+
+def head(size: int, flag: int) -> int:
+    """An identity record's first word: the descriptor's length, and how it travels (so
+    one comparison of the records also compares the flags)."""
+    return size | flag << 32
 
 
 class Identities:
@@ -208,7 +226,7 @@ class Identities:
 
     ``q``/``qb``: the control segment as int64 words and as bytes; ``words``: the same
     words as a numpy array; ``blocks``: the first word of each rank's control block,
-    ``stride`` words apart."""
+    ``stride`` words apart. A record is its head word (see :func:`head`), then the words."""
 
     def __init__(self, q: memoryview, qb: memoryview, words: np.ndarray, blocks: list[int],
                  rank: int, stride: int):
@@ -219,14 +237,31 @@ class Identities:
         self._mine = [blocks[rank] + w for w in W_IDENT]
         self._mine_rows = [r[rank] for r in self._rows]
         self._keys = [[b + w + M_KEY for b in blocks] for w in W_META]
-        self._lengths = [[b + w for b in blocks] for w in W_IDENT]
-        self._peer_bytes = [[(b + w) * 8 for i, b in enumerate(blocks) if i != rank]
-                            for w in W_IDENT]
+        self._heads = [[b + w for b in blocks] for w in W_IDENT]
+        self._peers = [[b + w for i, b in enumerate(blocks) if i != rank] for w in W_IDENT]
+        # per parity: words compared -> (our record's first words, each peer's), as views
+        self._spans: list[dict[int, tuple[memoryview, list[memoryview]]]] = [{}, {}]
 
-    def write(self, p: int, desc: np.ndarray) -> None:
-        """This rank's descriptor for parity ``p`` (its flag goes with the record's key)."""
+    def write(self, p: int, desc: np.ndarray, flag: int) -> None:
+        """This rank's descriptor for parity ``p``, travelling as ``flag``."""
         self._mine_rows[p][: desc.size] = desc
-        self._q[self._mine[p]] = desc.size
+        self._q[self._mine[p]] = head(desc.size, flag)
+
+    def span(self, p: int, fold: Fold) -> tuple[memoryview, memoryview, list[memoryview]]:
+        """Views for ``fold`` at parity ``p`` (made once per shape of fold): where its image
+        goes (this rank's record), and the words :meth:`same` compares, ours and each
+        peer's. The engine writes and compares through them itself: the hot path."""
+        span = self._spans[p].get(fold.shape)
+        if span is None:
+            q, at, end = self._q, self._mine[p], fold.same + 1
+            span = self._spans[p][fold.shape] = (
+                q[at : at + len(fold.image)], q[at : at + end],
+                [q[b : b + end] for b in self._peers[p]])
+        return span
+
+    def write_fold(self, p: int, fold: Fold) -> None:
+        """This rank's folded descriptor for parity ``p``: one copy of the record's image."""
+        self.span(p, fold)[0][:] = fold.image
 
     def flags(self, p: int) -> list[int]:
         """Every rank's identity flag at parity ``p`` (from its metadata record)."""
@@ -235,24 +270,30 @@ class Identities:
 
     def lengths_agree(self, p: int) -> bool:
         q = self._q
-        return len({q[w] for w in self._lengths[p]}) == 1
+        return len({q[w] & _LENGTH for w in self._heads[p]}) == 1
 
-    def same(self, p: int, words: int) -> bool:
-        """Whether every peer's length and first ``words`` words equal ours."""
-        qb = self._qb
-        at = self._mine[p] * 8
-        end = 8 * (words + 1)
-        mine = qb[at : at + end]
-        for b in self._peer_bytes[p]:  # noqa: SIM110 - no generator on the hot path
-            if qb[b : b + end] != mine:
+    def same(self, p: int, fold: Fold) -> bool:
+        """Whether every peer's head word (length and flag) and first ``fold.same`` words
+        equal ours: one comparison of two int64 views per peer."""
+        _, mine, peers = self.span(p, fold)
+        for theirs in peers:  # noqa: SIM110 - no generator on the hot path
+            if theirs != mine:
                 return False
         return True
 
     def result(self, p: int) -> np.ndarray:
         """The elementwise MAX of every rank's descriptor (the same on every rank)."""
-        n = self._q[self._mine[p]]
+        n = self._q[self._mine[p]] & _LENGTH
         return np.maximum.reduce(self._rows[p][:, :n], axis=0)
 
     def close(self) -> None:
+        for spans in self._spans:
+            for record, mine, peers in spans.values():
+                for view in (record, mine, *peers):
+                    view.release()
+            spans.clear()
         self._rows = self._mine_rows = []
         self._q = self._qb = None
+
+
+_LENGTH = (1 << 32) - 1  # the head word's length bits

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,44 +95,112 @@ def allreduce(tensor: Any, *, average: bool | None = None, name: str | None = No
               process_set: Any = None, async_: bool = False) -> Any:
     """The one allreduce. Blocking calls run on the caller's thread when nothing is queued,
     like the core's: no hand-off to the worker thread."""
-    fw = ops_for(tensor)
-
     st = scope(process_set)
-    if _adasum.is_adasum(op):
+    if op is not None and op.__class__ is not ddl.ReduceOp and _adasum.is_adasum(op):
         return submit(ng.ALLREDUCE, name,
                       lambda: _adasum_plan([tensor], True, average, name, prescale, postscale,
                                            compression, inplace, st),
                       async_=async_, label=name or "allreduce", scope=st)
 
     def plan() -> Planned:
-        rop = resolve_op(average, op)
-        pre, post = float(prescale), float(postscale)
-        sent, ctx = compression.compress(tensor)
-        if pre != 1.0:
-            sent = fw.scaled(sent, pre)
-        engine_op, scale = reduction(rop, sent, post, st.size)
-        # In place whenever the tensor sent is ours to overwrite: the caller's own for the
-        # in-place spellings, or a temporary made by compression or prescaling. Out of place
-        # would allocate a fresh result (page faults on every call for large tensors).
-        data = _api.plan_allreduce(sent, engine_op, None, inplace or sent is not tensor,
-                                   st.group)
-        call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
-                    name=name)
-
-        def finish(out: Any) -> Any:
-            if scale != 1.0:
-                fw.scale_(out, scale)
-            out = compression.decompress(out, ctx)
-            if inplace:
-                if out is not tensor:
-                    fw.copy_(tensor, out)
-                return tensor
-            return out
-
-        return Planned(call, _no_r(data), finish)
+        if compression is NoneCompressor:
+            return _plan_plain_allreduce(tensor, average, name, op, prescale, postscale,
+                                         inplace, st)
+        return _plan_allreduce(tensor, average, name, op, prescale, postscale, compression,
+                               inplace, st)
 
     return submit(ng.ALLREDUCE, name, plan, async_=async_, label=name or "allreduce",
                   scope=st)
+
+
+class _Reduce(NamedTuple):
+    """What an uncompressed allreduce of one kind of tensor (type, dtype, shape) with one
+    set of arguments does, worked out once (``_plan_plain_allreduce``): the ops, the
+    scales, the call's identity (the same object every time: negotiate's caches are keyed
+    on it) and the tensor operations."""
+
+    rop: ddl.ReduceOp
+    engine_op: ddl.ReduceOp
+    scale: float  # applied after the engine's reduction (Horovod's integer average)
+    pre: float
+    call: Call
+    fw: Any
+
+
+def _plan_plain_allreduce(tensor: Any, average: bool | None, name: str | None, op: Any,
+                          prescale: float, postscale: float, inplace: bool, st: ng._State
+                          ) -> Planned:
+    """``allreduce`` without compression, its argument checks and identity cached by
+    signature: per call what is left is the core's own plan and this cache's lookup."""
+    try:
+        key = (tensor.__class__, tensor.dtype, tuple(tensor.shape), op, average, prescale,
+               postscale, name)
+        sig = st.plans.get(key)
+    except (AttributeError, TypeError):  # not an array, an unhashable argument: no cache
+        return _plan_allreduce(tensor, average, name, op, prescale, postscale, NoneCompressor,
+                               inplace, st)
+    if sig is None:
+        fw = ops_for(tensor)
+        rop = resolve_op(average, op)
+        pre, post = float(prescale), float(postscale)
+        sent = fw.scaled(tensor, pre) if pre != 1.0 else tensor
+        engine_op, scale = reduction(rop, sent, post, st.size)
+        call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
+                    name=name)
+        sig = _Reduce(rop, engine_op, scale, pre, call, fw)
+        if len(st.plans) > 4096:
+            st.plans.clear()
+        st.plans[key] = sig
+    scale, fw = sig.scale, sig.fw
+    sent = tensor if sig.pre == 1.0 else fw.scaled(tensor, sig.pre)
+    # In place whenever the tensor sent is ours to overwrite (see _plan_allreduce)
+    data = _api.plan_allreduce(sent, sig.engine_op, None, inplace or sent is not tensor,
+                               st.group)
+    if scale == 1.0 and (sent is tensor or not inplace):
+        return Planned(sig.call, _no_r(data))  # the engine's result is the answer
+
+    def finish(out: Any) -> Any:
+        if scale != 1.0:
+            fw.scale_(out, scale)
+        if inplace:
+            if out is not tensor:
+                fw.copy_(tensor, out)
+            return tensor
+        return out
+
+    return Planned(sig.call, _no_r(data), finish)
+
+
+def _plan_allreduce(tensor: Any, average: bool | None, name: str | None, op: Any,
+                    prescale: float, postscale: float, compression: type[Compressor],
+                    inplace: bool, st: ng._State) -> Planned:
+    """``allreduce`` with any compression, planned afresh on every call."""
+    fw = ops_for(tensor)
+    rop = resolve_op(average, op)
+    pre, post = float(prescale), float(postscale)
+    sent, ctx = compression.compress(tensor)
+    if pre != 1.0:
+        sent = fw.scaled(sent, pre)
+    engine_op, scale = reduction(rop, sent, post, st.size)
+    # In place whenever the tensor sent is ours to overwrite: the caller's own for the
+    # in-place spellings, or a temporary made by compression or prescaling. Out of place
+    # would allocate a fresh result (page faults on every call for large tensors).
+    data = _api.plan_allreduce(sent, engine_op, None, inplace or sent is not tensor,
+                               st.group)
+    call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
+                name=name)
+
+    def finish(out: Any) -> Any:
+        if scale != 1.0:
+            fw.scale_(out, scale)
+        out = compression.decompress(out, ctx)
+        if inplace:
+            if out is not tensor:
+                fw.copy_(tensor, out)
+            return tensor
+        return out
+
+    return Planned(call, _no_r(data), finish)
 
 
 def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,

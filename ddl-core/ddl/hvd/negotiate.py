@@ -34,7 +34,9 @@ then handles exactly as the result of a separate exchange. Calls whose data step
 exchange's result before its first collective (``broadcast_object``...), jobs whose
 torch tensors may go to a device engine, multi-host engines, and calls made while the
 timeline or the torch profiler records (so the exchange shows as its own span) keep the
-separate exchange.
+separate exchange. A folded call's descriptor is made once per kind of call (``Fold``, only
+its sequence number patched per call) and compared as one view per peer. A set of one rank
+has no peer to agree with: its calls take the folded path with nobody to meet (``_SOLO``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ DIM0 = ROOT_HERE + 3  # this rank's own first dimension (allgather/alltoall)
 FAILED = ROOT_HERE + 4  # 1 on a rank whose call failed before its data moved
 PAYLOAD = ROOT_HERE + 5  # the root's payload length (broadcast_object), 0 elsewhere
 _LEN = ROOT_HERE + 6
+_NEG_SEQ = SEQ + _AGREED
 SENTINEL = -(1 << 62)
 _INT64 = _dtypes.BY_NAME["int64"]
 
@@ -99,6 +102,7 @@ GROUPED = (GROUPED_ALLREDUCE, GROUPED_ALLGATHER, GROUPED_BROADCAST, GROUPED_REDU
 # (the data step sees a provisional result, see _provisional).
 FOLDABLE = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, GROUPED_ALLREDUCE,
             GROUPED_ALLGATHER, GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
+_FOLDABLE = frozenset(FOLDABLE)  # the per-call test
 OBJECTS = (BROADCAST_OBJECT, ALLGATHER_OBJECT)  # need every rank's data: not after join
 # A joined rank rebuilds these shapes from the descriptor or the layout, which fold the
 # dimensions past MAX_DIMS; the engines compare the real shapes, so such calls cannot be
@@ -122,9 +126,15 @@ class _State:
         self.count = 0  # control exchanges done, joined ones included: a job position
         self.separate = 0  # of them, exchanges that took a step of their own
         self.fold_ok: bool | None = None  # whether descriptors may ride on the data (cached)
+        self.session: Any = None  # the ddl session fold_engine was found in
+        self.fold_engine: Any = None  # see _fold_engine
         self.observed = -1  # the latest call whose end the program has waited for
         self.names: dict[str, tuple[int, int]] = {}  # user-given name -> (call, kind)
         self.templates: dict[tuple, Any] = {}  # descriptor templates (see _template)
+        self.folds: dict[Call, tuple[Fold, np.ndarray]] = {}  # see _prepared_fold
+        self.plans: dict[tuple, Any] = {}  # the adapters' per-signature plans (collectives)
+        self.last_call: Call | None = None  # the latest folded call, and its fold: one
+        self.last_fold: tuple[Fold, np.ndarray] | None = None  # test of identity, no hash
         self.broken: BaseException | None = None  # the engine failed or a peer shut down
         self.lock = threading.Lock()
 
@@ -416,18 +426,48 @@ def _may_fold(call: Call, st: _State) -> Any:
     """The engine to fold ``call``'s descriptor into, or None. Ranks may decide differently
     (the engine then runs the exchange as a step of its own): this only has to be safe
     here, which it is when the data step's first collective runs on the set's engine."""
-    if call.kind not in FOLDABLE:
+    if call.kind not in _FOLDABLE:
         return None
     if _tl.recorder is not None or _tl.torch_profiler() is not None:
         return None  # traced: the exchange stays a step of its own, with its own span
-    engine = st.engine()
-    if getattr(engine, "fold_identity", None) is None:
-        return None
+    engine = st.fold_engine if st.session is _api.session() else _fold_engine(st)
+    if engine is None or engine is _SOLO:
+        return engine
     # (a process set's calls never go to a device engine)
     unsure = st.group is None and st.fold_ok is not True
     if unsure and (st.fold_ok is False or _device_route(st)):
         return None
     return engine
+
+
+class _Solo:
+    """What a set of one rank folds its descriptor into: with no peer to agree with, the
+    identity is settled as soon as it is made, and the data step sees the agreed result."""
+
+    armed = None  # as if the data's first step carried it: nobody else to meet
+
+    @staticmethod
+    def fold_identity(fold: Fold) -> None:
+        pass
+
+    @staticmethod
+    def cancel_fold() -> None:
+        return None
+
+
+_SOLO = _Solo()
+
+
+def _fold_engine(st: _State) -> Any:
+    """The engine that can carry ``st``'s descriptors (``_SOLO`` for a set of one rank),
+    or None; cached for the current session (``init()`` makes new engines)."""
+    st.session = _api.session()
+    engine = st.engine()
+    if st.size == 1:
+        st.fold_engine = _SOLO
+    else:
+        st.fold_engine = engine if getattr(engine, "fold_identity", None) else None
+    return st.fold_engine
 
 
 def _device_route(st: _State) -> bool:
@@ -453,44 +493,58 @@ def _device_route(st: _State) -> bool:
     return route
 
 
-def _folded_pair(call: Call) -> tuple[np.ndarray, np.ndarray]:
-    """This running rank's descriptor template of ``call`` (as :func:`_template`), and the
-    exchange's result as it is whenever the data may move in the folded step: every rank
-    agrees (so the agreed words are ours, but for the sequence number, left out), none
-    joined or failed, set rank 0 runs and a rooted call's root is here. Cached, one lookup
-    per call; the result is read-only (the data step only reads it)."""
-    st = _st()
-    key = (call, None)
-    pair = st.templates.get(key)
-    if pair is None:
+def _prepared_fold(call: Call, st: _State) -> tuple[Fold, np.ndarray]:
+    """The reusable :class:`Fold` of ``call`` in ``st`` (its descriptor as
+    :func:`_template`, the sequence number and payload patched per call), and the exchange's
+    result as it is whenever the data may move in the folded step: every rank agrees (so
+    the agreed words are ours, but for the sequence number, left out), none joined or
+    failed, set rank 0 runs and a rooted call's root is here. Made once per kind of call;
+    the result is read-only (the data step only reads it)."""
+    prepared = st.folds.get(call)
+    if prepared is None:
         d = _template(call, False)
         r = d.copy()
         r[JOINED] = r[FAILED] = r[LOWEST] = 0
         r[ROOT_HERE] = int(call.kind in ROOTED)
         r.setflags(write=False)
-        pair = st.templates[key] = (d, r)
-    return pair
+        # The same agreed words on every folded (so running, not failed) rank: problem()
+        # can only hold for a rooted call whose root joined, and a joined rank never folds.
+        fold = Fold(d, problem, 0 if call.kind in ROOTED else _AGREED)
+        if len(st.folds) > 4096:
+            st.folds.clear()
+        prepared = st.folds[call] = (fold, r)
+    return prepared
 
 
 def _run_folded(call: Call, seq: int, payload: int, data: Callable[[np.ndarray], Any],
-                engine: Any) -> Any:
-    """The call with its descriptor folded into its data's first step (module docstring)."""
-    st = _st()
+                engine: Any, st: _State) -> Any:
+    """The call with its descriptor folded into its data's first step (module docstring).
+    The fast path makes nothing: a cached fold, three words patched, one engine call."""
     word = seq + st.skew
-    template, provisional = _folded_pair(call)
-    d = template.copy()
-    d[SEQ], d[SEQ + _AGREED], d[PAYLOAD] = word, -word, payload
-    # The same agreed words on every folded (so running, not failed) rank: problem() can
-    # only hold for a rooted call whose root joined, and a joined rank never folds.
-    fold = Fold(d, problem, 0 if call.kind in ROOTED else _AGREED)
+    if call is st.last_call:  # the same Call object again (collectives reuses them)
+        fold, provisional = st.last_fold
+    else:
+        fold, provisional = st.last_fold = st.folds.get(call) or _prepared_fold(call, st)
+        st.last_call = call
+    words = fold.words
+    words[SEQ] = word
+    words[_NEG_SEQ] = -word
+    words[PAYLOAD] = payload
     engine.fold_identity(fold)
     try:
-        out = _engine(data, provisional)
+        out = data(provisional)
     except Unfolded as why:
         st.count += 1
         return _engine(data, _settle(call, word, payload, None, why.result))
+    except (ddl.DDLMismatchError, ddl.DDLConfigError):
+        raise  # the engine is still in step (as _engine)
+    except ddl.DDLError as exc:
+        st.broken = exc
+        raise
     finally:
-        left = engine.cancel_fold()
+        left = engine.armed
+        if left is not None:
+            engine.cancel_fold()
     if left is None:  # the data's first step carried it, and every rank moved its data
         st.count += 1
         return out
@@ -739,32 +793,36 @@ def _job(p: Planned, seq: int, st: _State, failure: BaseException | None = None
         outer = getattr(_tls, "st", None)
         _tls.st = st  # the exchange and the error path run in the call's process set
         try:
-            return run()
+            return _run_job(call, data, before, payload, seq, st, failure)
         finally:
             _tls.st = outer
 
-    def run():
-        failed = failure
-        if before is not None and failed is None:
-            try:
-                before()
-            except Exception as exc:  # noqa: BLE001 - the peers must hear of any failure
-                failed = exc
-        if failed is None:
-            engine = _may_fold(call, st)
-            if engine is not None:
-                return _run_folded(call, seq, payload, data, engine)
-            r = _negotiate(call, seq, payload, None)
-            return _engine(data, r)
-        try:
-            _negotiate(call, seq, payload, failed)
-        except Exception:  # noqa: BLE001, S110 - this rank raises its own error below
-            pass
-        if failure is None:
-            raise failed  # ``before`` failed: whoever waits for the handle gets it
-        return None  # planning failed: the caller has raised it already
-
     return job
+
+
+def _run_job(call: Call, data: Callable[[np.ndarray], Any], before: Callable[[], None] | None,
+             payload: int, seq: int, st: _State, failure: BaseException | None) -> Any:
+    """One queued call on the worker: ``before``, the exchange (folded where it can be),
+    the data; or, after a failure here, the exchange that tells the peers."""
+    failed = failure
+    if before is not None and failed is None:
+        try:
+            before()
+        except Exception as exc:  # noqa: BLE001 - the peers must hear of any failure
+            failed = exc
+    if failed is None:
+        engine = _may_fold(call, st)
+        if engine is not None:
+            return _run_folded(call, seq, payload, data, engine, st)
+        r = _negotiate(call, seq, payload, None)
+        return _engine(data, r)
+    try:
+        _negotiate(call, seq, payload, failed)
+    except Exception:  # noqa: BLE001, S110 - this rank raises its own error below
+        pass
+    if failure is None:
+        raise failed  # ``before`` failed: whoever waits for the handle gets it
+    return None  # planning failed: the caller has raised it already
 
 
 def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: bool,
@@ -776,7 +834,9 @@ def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: 
     if not ddl.is_initialized():
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
     st = scope or _state
-    seq = next_seq(st)
+    with st.lock:
+        seq = st.calls
+        st.calls += 1
     try:
         if name is not None:
             _check_name(name, kind, st)
@@ -793,7 +853,8 @@ def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: 
     try:
         out = _api.dispatch(job, label, False, st.group)
     finally:
-        observe(seq, st)
+        if seq > st.observed:  # observe(seq, st)
+            st.observed = seq
     return p.finish(out) if p.finish is not None else out
 
 
