@@ -30,6 +30,7 @@ from netns_cluster import Cluster, unavailable  # noqa: E402
 
 from ddl import config, cost  # noqa: E402
 from ddl.perf import simulate  # noqa: E402
+from ddl.perf.calibrate import DEFAULT_SIZES  # noqa: E402
 
 
 def _ddlrun(cluster: Cluster, nhosts: int, per: int, opts: list[str], argv: list[str],
@@ -46,7 +47,7 @@ def _ddlrun(cluster: Cluster, nhosts: int, per: int, opts: list[str], argv: list
 
 
 def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1M,4M,16M",
-             cal_sizes: str = "64K,256K,1M,4M,16M", iters: int = 3,
+             cal_sizes: str = DEFAULT_SIZES, iters: int = 3,
              timeout: float = 600) -> tuple[cost.Profile, list[dict]]:
     """Calibrate, measure, predict: (profile, one row per size with measured_s,
     predicted_s and error = predicted / measured - 1). Measured: ddl.perf.worker's median
@@ -97,8 +98,8 @@ def main() -> int:
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--sizes", default="1M,4M,16M,64M")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--cal-sizes", default="256K,1M,4M,16M",
-                    help="sizes calibrate fits over (the range the prediction covers)")
+    ap.add_argument("--cal-sizes", default=DEFAULT_SIZES,
+                    help=f"sizes calibrate fits over (default: calibrate's, {DEFAULT_SIZES})")
     ap.add_argument("--json", metavar="PATH", help="also write profile and rows as JSON")
     a = ap.parse_args()
     why = unavailable()

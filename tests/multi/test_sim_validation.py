@@ -39,19 +39,15 @@ def cluster(tmp_path_factory):
 def test_simulator_predicts_2x2_allreduce_within_25_percent(cluster, tmp_path):
     from sim_validation import validate
 
+    # calibrate as a user runs it: its default sizes, 16 KiB to 16 MiB
     profile, rows = validate(cluster, tmp_path, nhosts=2, per=2, sizes="1M,4M,16M",
-                             cal_sizes="256K,1M,4M,16M", iters=3, timeout=300)
+                             iters=3, timeout=300)
     assert [(d.engine, d.size) for d in profile.dims] == [("shm", 2), ("gloo", 2)]
     # the link is what tc made it: 1 Gbit/s shared by the two lines of dimension 1
     assert 0.05e9 < 1 / profile.dims[1].link.beta < 0.15e9
     by_size = {r["bytes"]: r for r in rows}
     assert sorted(by_size) == [1 << 20, 4 << 20, 16 << 20] and all(r["correct"] for r in rows)
-    # the issue's target, where the model's link terms dominate
-    for size in (4 << 20, 16 << 20):
+    # the issue's target at every size; calibrate times calls back to back, as the
+    # benchmark does, so the link's sustained cost is what both see (docs/performance.md)
+    for size in by_size:
         assert abs(by_size[size]["error"]) <= 0.25, rows
-    # 1 MiB is one chunk, where the costs the model leaves out weigh most (the pipeline's
-    # thread start and hand-offs between the dimensions' threads, scheduling delays on
-    # this shared 2-core machine): it came out 8-32% low there (docs/performance.md). The
-    # target is not met at 1 MiB in every run; this bound says how far it may miss,
-    # without a fudge factor in the model
-    assert -0.40 <= by_size[1 << 20]["error"] <= 0.25, rows
