@@ -109,14 +109,21 @@ def parse(text: str) -> Options:
     return Options(mode, grid, dump_iter, dbg)
 
 
+def grid_mismatch(mode: str, grid: tuple[int, ...], world_size: int) -> str | None:
+    """Why ``-mode mode:grid`` cannot describe a job of ``world_size`` ranks, or None (the
+    one rule: the core at init and ddlrun before it starts anything)."""
+    prod = 1
+    for d in grid:
+        prod *= d
+    if prod == world_size:
+        return None
+    return (f"-mode {mode}:{'x'.join(map(str, grid))} describes {prod} ranks but the job "
+            f"has {world_size}")
+
+
 def check_grid(opts: Options, world_size: int) -> None:
     if opts.grid is None:
         return
-    prod = 1
-    for d in opts.grid:
-        prod *= d
-    if prod != world_size:
-        raise DDLConfigError(
-            f"-mode {opts.mode}:{'x'.join(map(str, opts.grid))} describes {prod} ranks but the "
-            f"job has {world_size}"
-        )
+    why = grid_mismatch(opts.mode, opts.grid, world_size)
+    if why:
+        raise DDLConfigError(why)

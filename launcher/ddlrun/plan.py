@@ -13,7 +13,6 @@ interfaces, NCCL_IB_DISABLE). The secret's value is never printed (``masked``).
 
 from __future__ import annotations
 
-import math
 import re
 import shlex
 from collections import Counter
@@ -319,10 +318,7 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | Non
             )
         else:  # uneven hosts: no grid describes them, use one flat dimension
             spec = f"{letters}:{world}"
-    shape = _parse_mode(spec, mode)
-    if dims and shape is not None and math.prod(shape) != world:
-        raise UsageError(f"--mode {mode!r}: grid {dims} has {math.prod(shape)} ranks, "
-                         f"job has {world}")
+    _check_mode(spec, mode, world if dims else None)
     return " ".join(("-mode", spec, *req.ddloptions))
 
 
@@ -338,19 +334,23 @@ def default_mode() -> str:
     return DEFAULT_MODE
 
 
-def _parse_mode(spec: str, given: str) -> tuple[int, ...] | None:
-    """The grid of ``spec`` by ddl's own ``-mode`` grammar (``ddl.options.parse_mode``, the one
-    copy). Where ``import ddl`` fails the launcher cannot check it: the workers' ddl does,
+def _check_mode(spec: str, given: str, world: int | None) -> None:
+    """``spec`` by ddl's own ``-mode`` grammar and, with ``world``, its grid against the
+    job's rank count (``ddl.options.parse_mode`` and ``grid_mismatch``, the one copy of
+    each). Where ``import ddl`` fails the launcher cannot check it: the workers' ddl does,
     when it reads DDL_OPTIONS."""
     try:
         from ddl.errors import DDLConfigError
-        from ddl.options import parse_mode
+        from ddl.options import grid_mismatch, parse_mode
     except ImportError:
-        return None
+        return
     try:
-        return parse_mode(spec)[1]
+        letters, shape = parse_mode(spec)
     except DDLConfigError as e:
         raise UsageError(f"--mode {given!r} is invalid: {e}") from None
+    why = grid_mismatch(letters, shape, world) if world is not None and shape else None
+    if why:
+        raise UsageError(f"--mode {given!r}: {why}")
 
 
 # ---------------------------------------------------------------------------- env

@@ -89,6 +89,10 @@ def test_ddl_options_grid_racks_aisles_mode_and_opt_out():
     for bad in (dict(mode="x"), dict(mode="b:4x4"), dict(racks=3)):
         with pytest.raises(UsageError):
             plan_of(Request(PROG, eight, **bad))
+    # the core's own rule and words (options.grid_mismatch), before anything starts
+    with pytest.raises(UsageError, match=r"^--mode 'b:4x4': -mode b:4x4 describes 16 ranks "
+                                         r"but the job has 32$"):
+        plan_of(Request(PROG, eight, mode="b:4x4"))
     assert grid(1, 2, None, None) == [2] and grid(1, 1, None, None) == [1]
 
 
