@@ -75,7 +75,6 @@ if "parts" in sys.argv[1:]:
     fold = (ng._prepared_fold(call, st)[0] if hasattr(ng, "_prepared_fold") else None)
     parts = {
         "fold_identity+cancel_fold": lambda: (eng.fold_identity(fold), eng.cancel_fold()),
-        "idents.same": lambda: eng._idents.same(0, fold),
         "st.folds.get(call)": lambda: st.folds.get(call),
         "hash(call)": lambda: hash(call),
     }

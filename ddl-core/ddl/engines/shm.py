@@ -364,12 +364,12 @@ class ShmEngine:
             self.armed = None
             self._records.write(p, key, FOLDED)
             record, mine, peers = self._idents.span(p, fold)
-            record[:] = fold.image  # (Identities.write_fold, inline: the hot path)
+            record[:] = fold.image  # one copy of the whole record
         self._step.arrive(s)
         self._step.wait_all(s, what)
         if fold is not None:
             # Every rank folded the same call (the head words hold the flags): the data
-            # moves, nothing to compute (Identities.same, inline). A peer that runs a core
+            # moves, nothing to compute. A peer that runs a core
             # call here has a stale identity record, maybe equal to ours, but its metadata
             # key differs: the records' check below raises.
             if fold.same:
@@ -397,7 +397,7 @@ class ShmEngine:
         return result
 
     def fold_identity(self, fold: Fold) -> None:
-        """Carry ``fold.desc`` in the first step of the next collective on this engine. That
+        """Carry ``fold``'s descriptor in the first step of the next collective on this engine. That
         collective raises ``Unfolded`` where its data must not move (see the module
         docstring and ``Fold``, which checked the descriptor when it was made)."""
         self.armed = fold

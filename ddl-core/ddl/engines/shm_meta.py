@@ -198,7 +198,7 @@ class Fold:
     descriptor are ours, the data moves at once (the caller vouches that ``stop`` would say
     no): nothing is computed."""
 
-    __slots__ = ("desc", "words", "image", "stop", "same", "shape")
+    __slots__ = ("words", "image", "stop", "same", "shape")
 
     def __init__(self, desc: np.ndarray, stop: Callable[[np.ndarray], bool], same: int = 0):
         check_identity(desc)
@@ -208,7 +208,6 @@ class Fold:
         record = np.empty(desc.size + 1, dtype=np.int64)
         record[0] = head(desc.size, FOLDED)
         record[1:] = desc
-        self.desc = record[1:]  # a view: patched through ``words`` as well
         self.image = memoryview(record).cast("B").cast("q")
         self.words = self.image[1:]
         self.stop, self.same = stop, same
@@ -249,8 +248,9 @@ class Identities:
 
     def span(self, p: int, fold: Fold) -> tuple[memoryview, memoryview, list[memoryview]]:
         """Views for ``fold`` at parity ``p`` (made once per shape of fold): where its image
-        goes (this rank's record), and the words :meth:`same` compares, ours and each
-        peer's. The engine writes and compares through them itself: the hot path."""
+        goes (this rank's record), and the words compared to tell that every rank folded the same
+        call, ours and each peer's. The engine writes and compares through them itself: the
+        hot path."""
         span = self._spans[p].get(fold.shape)
         if span is None:
             q, at, end = self._q, self._mine[p], fold.same + 1
@@ -258,10 +258,6 @@ class Identities:
                 q[at : at + len(fold.image)], q[at : at + end],
                 [q[b : b + end] for b in self._peers[p]])
         return span
-
-    def write_fold(self, p: int, fold: Fold) -> None:
-        """This rank's folded descriptor for parity ``p``: one copy of the record's image."""
-        self.span(p, fold)[0][:] = fold.image
 
     def flags(self, p: int) -> list[int]:
         """Every rank's identity flag at parity ``p`` (from its metadata record)."""
@@ -271,15 +267,6 @@ class Identities:
     def lengths_agree(self, p: int) -> bool:
         q = self._q
         return len({q[w] & _LENGTH for w in self._heads[p]}) == 1
-
-    def same(self, p: int, fold: Fold) -> bool:
-        """Whether every peer's head word (length and flag) and first ``fold.same`` words
-        equal ours: one comparison of two int64 views per peer."""
-        _, mine, peers = self.span(p, fold)
-        for theirs in peers:  # noqa: SIM110 - no generator on the hot path
-            if theirs != mine:
-                return False
-        return True
 
     def result(self, p: int) -> np.ndarray:
         """The elementwise MAX of every rank's descriptor (the same on every rank)."""
