@@ -162,6 +162,7 @@ def _shm_kwargs() -> dict:
         wait_policy=config.get("DDL_SHM_WAIT"),
         heap_bytes=config.get("DDL_SHM_HEAP_BYTES"),
         fences=config.get("DDL_SHM_FENCES"),
+        cma=config.get("DDL_SHM_CMA"),
     )
 
 

@@ -144,6 +144,14 @@ _VARS = [
         "size of each shared heap segment behind ddl.malloc() (created on first use)",
     ),
     EnvVar(
+        "DDL_SHM_CMA",
+        _bool,
+        True,
+        "let the ranks of a host read and write each other's private buffers in place "
+        "(process_vm_readv/writev, probed at start; used only where the kernel already "
+        "allows it between every pair); 0 stages them through the shared slots",
+    ),
+    EnvVar(
         "DDL_SHM_FENCES",
         _bool,
         None,

@@ -2,27 +2,35 @@
 
 import pytest
 
-from .util import reports, run_worker
+from .util import cma_possible, reports, run_worker
 
 SMALL_STAGING = dict(DDL_SHM_SLOT_BYTES="64K", DDL_SHM_MAX_BYTES="1M", DDL_SHM_SMALL_BYTES="1K")
 
 
-def _check(results, min_checks=250):
+def _check(results, min_checks=250, cma=None):
+    """``cma``: whether the ranks must have used cross-memory copies (None: not checked)."""
     reps = reports(results)
     assert len({r["digest"] for r in reps}) == 1, "ranks got different bytes"
     assert all(r["checks"] >= min_checks for r in reps)
     assert {r["engine"] for r in reps} <= {"shm", "local"}
+    if cma is not None and len(reps) > 1:
+        assert {r["cma"] for r in reps} == {cma}, reps
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives_match_numpy(n):
-    _check(run_worker("collectives.py", n), 700)
+    """Private buffers read in place by cross-memory copies wherever this machine allows
+    them (the default), else staged."""
+    _check(run_worker("collectives.py", n), 700, cma=cma_possible())
 
 
+@pytest.mark.parametrize("cma", ["1", "0"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_through_a_tiny_staging_area(n):
-    """Messages many times the staging area go through the chunked pipeline."""
-    _check(run_worker("collectives.py", n, env=SMALL_STAGING), 700)
+def test_collectives_through_a_tiny_staging_area(n, cma):
+    """Messages many times the staging area go through the chunked pipeline; with
+    DDL_SHM_CMA=0 every private buffer is staged through it."""
+    _check(run_worker("collectives.py", n, env=dict(SMALL_STAGING, DDL_SHM_CMA=cma)), 700,
+           cma=cma == "1" and cma_possible())
 
 
 @pytest.mark.slow
@@ -58,3 +66,11 @@ def test_256_mib_allreduce():
     results = run_worker("big.py", 2, str(256 << 20), timeout=600)
     for r in reports(results):
         assert r["ok"], r
+
+
+def test_cross_memory_only_when_every_rank_agrees():
+    """One rank refusing cross-memory copies (DDL_SHM_CMA=0) makes every rank stage: a rank
+    that read a peer in place while that peer staged nothing would wait for it forever."""
+    per_rank = [{}, {"DDL_SHM_CMA": "0"}, {}]
+    _check(run_worker("collectives.py", 3, "0,5,70000,300001", per_rank_env=per_rank), 200,
+           cma=False)

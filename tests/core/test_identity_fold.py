@@ -1,30 +1,40 @@
-"""The identity exchange folded into the shared-memory engine's first step (issue 13): on
-one host a Horovod-level call costs no collective of its own, and every safety property of
+"""The identity exchange folded into each call's first step (issue 13): a Horovod-level call
+costs no collective of its own, on one host (the shared-memory engine's first step) and
+across hosts (the first message, engines/identity_round.py), and every safety property of
 the separate exchange still holds (negotiate's module docstring)."""
 
 from __future__ import annotations
 
 import pytest
 
-from .util import reports, run_worker
+from .util import hosts_env, reports, run_worker
 
 pytestmark = pytest.mark.slow
 
+# ranks, per-rank environment (simulated hosts), the engine
+LAYOUTS = {"one host": (2, None, "shm"), "2 hosts": (2, hosts_env(2, 1), "ddl/gloo"),
+           "2 hosts of 2": (4, hosts_env(4, 2), "ddl/gloo")}
+TWO_RANKS = ["one host", "2 hosts"]
 
-def _run(scenario: str) -> list[dict]:
-    got = reports(run_worker("identity_fold.py", 2, scenario, timeout=180))
-    assert [r["engine"] for r in got] == ["shm", "shm"]
+
+def _run(scenario: str, layout: str = "one host") -> list[dict]:
+    n, per_rank, engine = LAYOUTS[layout]
+    got = reports(run_worker("identity_fold.py", n, scenario, timeout=180,
+                             per_rank_env=per_rank))
+    assert [r["engine"] for r in got] == [engine] * n
     return got
 
 
-def test_calls_on_one_host_take_no_separate_exchange():
-    for rank in _run("calls"):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_calls_take_no_separate_exchange(layout):
+    for rank in _run("calls", layout):
         assert rank["wrong"] == []
         assert rank["separate"] == 0  # 104 calls, every identity rode on its data
 
 
-def test_mismatches_through_the_folded_path_raise_on_every_rank():
-    r0, r1 = _run("mismatch")
+@pytest.mark.parametrize("layout", TWO_RANKS)
+def test_mismatches_through_the_folded_path_raise_on_every_rank(layout):
+    r0, r1 = _run("mismatch", layout)
     for rank in (r0, r1):
         numel = rank["numel"]
         assert numel["type"] == "DDLMismatchError"
@@ -38,16 +48,18 @@ def test_mismatches_through_the_folded_path_raise_on_every_rank():
         assert "hvd.allreduce(float32[8]" in kind["text"]
         assert "hvd.broadcast(float32[8], root_rank=0)" in kind["text"]
         assert rank["after_ok"] and rank["separate_after"] == 0
-        assert rank["mixed"]["type"] == "DDLMismatchError"
-        assert "core ddl call" in rank["mixed"]["text"]
+        if layout == "one host":
+            assert rank["mixed"]["type"] == "DDLMismatchError"
+            assert "core ddl call" in rank["mixed"]["text"]
     # the call failed on rank 1 (a bad root): it raises its own error, rank 0 names it
     assert r1["failed"] == {"type": "DDLConfigError", "text": "root_rank 5 is outside 0..1"}
     assert r0["failed"]["type"] == "DDLMismatchError"
     assert "failed here: DDLConfigError: root_rank 5" in r0["failed"]["text"]
 
 
-def test_a_joined_rank_serves_folded_calls():
-    r0, r1 = _run("join")
+@pytest.mark.parametrize("layout", TWO_RANKS)
+def test_a_joined_rank_serves_folded_calls(layout):
+    r0, r1 = _run("join", layout)
     assert r0["sums"] == [1.0, 1.0, 1.0]  # the joined rank contributed zeros
     assert r0["last"] == r1["last"] == 0
     assert r0["after"] == r1["after"] == 2.0

@@ -7,13 +7,27 @@ errors injected on single ranks."""
 import pytest
 from torch_util import reports, run_worker
 
+from tests.core.util import hosts_env
+
 FAST = 10.0  # seconds: an error on every rank at once, not after DDL_TIMEOUT (20 s) ran out
+# "2x2": 4 ranks, 2 per (simulated) host: the multi-host engine, whose call identities ride
+# on each call's first message across hosts (engines/identity_round.py). Its shutdown/init
+# parts are tests/multi/test_reinit.py's.
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, 3, "2x2"])
 def job(request):
+    if request.param == "2x2":
+        env = {"DDL_TIMEOUT": "20", "SAFETY_PARTS": "grouped_grad,failures,out_of_step,names"}
+        return 4, reports(run_worker("hvd_safety.py", 4, env=env, timeout=300,
+                                     per_rank_env=hosts_env(4, 2)))
     n = request.param
     return n, reports(run_worker("hvd_safety.py", n, env={"DDL_TIMEOUT": "20"}, timeout=240))
+
+
+def _single_host(reps, part):
+    if part not in reps[0]:
+        pytest.skip(f"the {part} part across hosts runs in tests/multi/test_reinit.py")
 
 
 @pytest.mark.timeout(300)
@@ -104,6 +118,7 @@ def test_duplicate_names_raise_value_error_on_every_rank_as_in_horovod(job):
 @pytest.mark.timeout(300)
 def test_shutdown_while_a_peer_is_in_a_collective_then_init_again(job):
     n, reps = job
+    _single_host(reps, "shutdown")
     for rank, r in enumerate(reps):
         s = r["shutdown"]
         assert "error" not in s, s.get("error")
@@ -119,6 +134,7 @@ def test_shutdown_while_a_peer_is_in_a_collective_then_init_again(job):
 @pytest.mark.timeout(300)
 def test_twenty_shutdown_init_cycles_leak_nothing(job):
     n, reps = job
+    _single_host(reps, "cycles")
     for r in reps:
         c = r["cycles"]
         assert "error" not in c, c.get("error")

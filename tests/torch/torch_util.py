@@ -17,9 +17,10 @@ ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def run_worker(name: str, n: int, *args: str, env: dict | None = None,
-               timeout: float = 180) -> list[RankResult]:
+               timeout: float = 180, per_rank_env: list[dict] | None = None
+               ) -> list[RankResult]:
     return run_workers(os.path.join(WORKERS, name), n, *args, env={**ENV, **(env or {})},
-                       timeout=timeout)
+                       timeout=timeout, per_rank_env=per_rank_env)
 
 
 def ddlrun(n: int, argv: list[str], timeout: float = 180,

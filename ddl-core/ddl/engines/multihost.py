@@ -17,15 +17,17 @@ from .. import grid as gridmod
 from ..algorithms.dims import GroupDim, ShmDim
 from ..algorithms.multidim import MultiDim
 from ..dtypes import BY_NAME, DType
-from ..errors import DDLError
+from ..errors import DDLError, DDLMismatchError
 from ..identity import job_secret
 from ..ops import ReduceOp
 from ..options import Options
 from ..rendezvous import Rendezvous
 from ..tensors import Pieces, copy_flat
 from ..topology import World
+from . import identity_round
 from .gloo import GlooContext
 from .shm import ShmEngine
+from .shm_meta import Fold, Unfolded
 
 
 class DimsEngine:
@@ -41,6 +43,16 @@ class DimsEngine:
         self.size = size
         self.rank = rank
         self._failed: BaseException | None = None
+        # Call identities ride on each call's first message (engines/identity_round.py)
+        # where the grid is one dimension across hosts after at most one inside them;
+        # other grids offer no fold, and negotiate exchanges identities on their own.
+        self.armed: Fold | None = None
+        found = identity_round.supports(multidim.dims, size)
+        if found is None:
+            self.fold_identity = self.exchange_identity = None
+            self._round = None
+        else:
+            self._round = identity_round.IdentityRound(*found, size, rank)
 
     def _guard(self, fn: Callable, *args):
         """A peer lost across hosts leaves the groups unusable: fail every later call at
@@ -50,15 +62,42 @@ class DimsEngine:
                            f"({self._failed}); the job cannot continue")
         try:
             return fn(*args)
+        except (DDLMismatchError, Unfolded):
+            raise  # every rank saw the same rows: still in step
         except BaseException as exc:
             self._failed = exc
             raise
+
+    # ------------------------------------------------------------ call identities
+    def fold_identity(self, fold: Fold) -> None:
+        """Carry ``fold``'s descriptor in the next collective's identity round."""
+        self.armed = fold
+
+    def cancel_fold(self) -> Fold | None:
+        fold, self.armed = self.armed, None
+        return fold
+
+    def exchange_identity(self, desc: np.ndarray) -> np.ndarray:
+        """The MAX of every rank's ``desc``, in place: a round of this rank's own, which
+        meets the others' folded ones."""
+        return self._guard(self._round.alone, desc)
+
+    def _settle(self) -> None:
+        """Before a collective's data moves: the round of the identity armed for it."""
+        fold, self.armed = self.armed, None
+        self._guard(self._round.settle, fold)
 
     def describe(self) -> str:
         return self.multidim.describe()
 
     def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
                   op: ReduceOp, shape) -> None:
+        if self.armed is not None:
+            if src.nbytes <= identity_round.FOLD_BYTES:
+                fold, self.armed = self.armed, None
+                self._guard(self._round.allreduce, fold, src, dst, dt, op)
+                return
+            self._settle()
         if isinstance(dst, Pieces):  # in place on pieces: the pipeline needs one buffer
             work = np.empty(dst.size, dt.storage)
             copy_flat(src, work)
@@ -69,12 +108,16 @@ class DimsEngine:
         self._guard(self.multidim.allreduce, dst, dt, op)
 
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
+        if self.armed is not None:
+            self._settle()
         work = src.copy()
         self._guard(self.multidim.allreduce, work, dt, op)
         o = sum(counts[: self.rank])
         np.copyto(dst, work[o : o + counts[self.rank]])
 
     def allgather(self, src, dt: DType, row_shape, alloc: Callable[[list[int]], np.ndarray]):
+        if self.armed is not None:
+            self._settle()
         return self._guard(self._allgather, src, dt, alloc)
 
     def _allgather(self, src, dt: DType, alloc):
@@ -97,9 +140,13 @@ class DimsEngine:
         return dst
 
     def broadcast(self, buf, dt: DType, root: int, shape) -> None:
+        if self.armed is not None:
+            self._settle()
         self._guard(self.world_group.broadcast, buf, dt, root)
 
     def barrier(self) -> None:
+        if self.armed is not None:
+            self._settle()
         self._guard(self.world_group.barrier)
 
     def close(self) -> None:

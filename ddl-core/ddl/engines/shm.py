@@ -48,12 +48,14 @@ from ..errors import (
     DDLConfigError,
     DDLError,
     DDLMismatchError,
+    DDLPeerError,
     DDLShmError,
     DDLTimeoutError,
 )
 from ..grid import even_split
 from ..ops import ReduceOp, reduce_into
 from ..tensors import Pieces
+from . import cma as cma_mod
 from . import segments
 from .heap import Heap, PeerHeaps
 from .shm_meta import (
@@ -86,6 +88,8 @@ from .shm_sync import (
     S_ATTACHED,
     S_CLOSED,
     S_NONE,
+    W_CMA,
+    W_CMA_OK,
     W_GRANK,
     W_PID,
     W_SEQ,
@@ -102,7 +106,7 @@ _log = logging.getLogger("ddl")
 _new = tuple.__new__
 _ALLREDUCE_KEYS = [coll_key(ALLREDUCE, op) for op in range(16)]
 _MAGIC = 0x4C44445F4D485344  # "DSHM_DDL"
-_LAYOUT = 3
+_LAYOUT = 4
 _HDR = 4096
 _BLOCK = 2048
 _W = _BLOCK // 8  # words per control block
@@ -146,6 +150,10 @@ class _Chunks(NamedTuple):
     out_views: list  # peer i's output written in place in its heap, or None (it collects)
     publish: bool  # some rank collects our reduced part from our slot
     block: int  # elements reduced, then passed on, at a time: while they are in cache
+    in_remote: list  # (pid, address) of peer i's private input, read by cross-memory copy
+    out_remote: list  # (pid, address) of peer i's private output, written likewise
+    scratch: list | None  # one block per peer: what was read from its private input
+    read_in_place: bool  # some rank's input is read where it lives, not from its slot
 
 
 class ShmEngine:
@@ -173,9 +181,12 @@ class ShmEngine:
         scope: str = "",
         token: int | None = None,
         dump_iter: int = 0,
+        cma: bool = True,
     ):
         """``dump_iter``: every this many allreduces, rank 0 logs their time (``-dump_iter``
-        of a job on one host; in a multi-host job the multi-dimensional engine does)."""
+        of a job on one host; in a multi-host job the multi-dimensional engine does).
+        ``cma``: let peers read and write this rank's private buffers (engines/cma.py) when
+        every local rank can; False stages them."""
         if not 0 <= local_rank < local_size:
             raise DDLConfigError(f"local rank {local_rank} is outside 0..{local_size - 1}")
         self.job_id = segments.validate_job_id(job_id)
@@ -224,6 +235,9 @@ class ShmEngine:
         self._peers = [i for i in range(n) if i != local_rank]
         self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope)
         self._peer_heaps = PeerHeaps(job_id, host_index, scope)
+        self._xmem = cma_mod.load() if cma and n > 1 else None
+        # read by every peer at start (the cross-memory probe), published by _attach
+        self._probe = np.array([cma_mod.probe_value(self._token, local_rank)], np.int64)
         try:
             self._attach(init_timeout)
         except BaseException:
@@ -239,9 +253,15 @@ class ShmEngine:
         self._records = Records(self._q, self._qb, self._blk, local_rank, self._peer_grank)
         self._words = np.frombuffer(self._mm, np.int64, count=self._ctl_bytes // 8)
         self._idents = Identities(self._q, self._qb, self._words, self._blk, local_rank, _W)
+        self._xmem = self._agree_cma()
+        self._scratch: dict[tuple, list[np.ndarray]] = {}  # blocks read from peers (cma)
         # the fold the next collective's first step carries (fold_identity); None once one
         # took it: its owner reads this to know whether one did
         self.armed: Fold | None = None
+        # set by the multi-host engine, which sends the host's identities on: each step that
+        # carries a folded identity and moves its data leaves their MAX in last_identity
+        self.keep_identity = False
+        self.last_identity: np.ndarray | None = None
 
     # ------------------------------------------------------------------ setup
     def _create_or_attach(self, total: int, init_timeout: float) -> mmap.mmap:
@@ -329,6 +349,8 @@ class ShmEngine:
         q[b + W_PID] = os.getpid()
         q[b + W_GRANK] = self.global_rank
         q[b + W_SEQ] = 0
+        q[b + W_CMA] = self._probe.__array_interface__["data"][0] if self._xmem else 0
+        q[b + W_CMA_OK] = 0
         self._publish_state(S_ATTACHED)
         deadline = time.monotonic() + init_timeout
         for i in self._peers:
@@ -344,6 +366,40 @@ class ShmEngine:
         if self.rank == 0:
             # Every rank has it mapped: drop the name so nothing can leak, even on SIGKILL.
             segments.unlink(self._name)
+
+    def _agree_cma(self) -> cma_mod.CrossMemory | None:
+        """One step at start: each rank reads every peer's probe word across address
+        spaces; cross-memory copies are used only if every rank read every peer's (a job
+        never mixes the paths: a reader whose peer staged nothing would wait forever)."""
+        if self.size == 1:
+            return None
+        q, xmem = self._q, self._xmem
+        ok = xmem is not None and all(
+            xmem.probe(self._peer_pid[i], q[self._blk[i] + W_CMA],
+                       cma_mod.probe_value(self._token, i))
+            for i in self._peers)
+        q[self._my + W_CMA_OK] = 1 if ok else 2
+        s = self._step.seq + 1
+        self._step.arrive(s)
+        self._step.wait_all(s, ("start-up (cross-memory probe)", "-", 0, None))
+        if all(q[b + W_CMA_OK] == 1 for b in self._blk):
+            return xmem
+        if xmem is not None and self.rank == 0:
+            _log.debug("[ddl] %s: cross-memory attach unavailable; private buffers are staged",
+                       self._name)
+        return None
+
+    @property
+    def cross_memory(self) -> bool:
+        """Whether peers read and write this rank's private buffers in place."""
+        return self._xmem is not None
+
+    def _remote(self, arr) -> int:
+        """The record's location word for a private buffer the peers may reach by
+        cross-memory copies: minus its address; 0 where it must be staged."""
+        if self._xmem is None or isinstance(arr, Pieces) or not arr.flags.c_contiguous:
+            return 0
+        return -arr.__array_interface__["data"][0] if arr.nbytes else 0
 
     def _publish_state(self, state: int) -> None:
         self._q[self._my + W_STATE] = state
@@ -372,14 +428,17 @@ class ShmEngine:
             # moves, nothing to compute. A peer that runs a core
             # call here has a stale identity record, maybe equal to ours, but its metadata
             # key differs: the records' check below raises.
+            settle = True
             if fold.same:
                 for theirs in peers:
                     if theirs != mine:
                         break
                 else:
-                    fold = None
-            if fold is not None:
+                    settle = False
+            if settle:
                 self._settle_identities(p, fold, what)
+            if self.keep_identity:
+                self.last_identity = self._idents.result(p)
         # (a peer whose step carries an identity while ours does not differs in its key)
         self._records.check(p, spans, what)
 
@@ -539,6 +598,11 @@ class ShmEngine:
         p = s & 1
         in_loc = 0 if isinstance(src, Pieces) else self.heap.locate(src)
         out_loc = self.heap.locate(dst) if gather and not isinstance(dst, Pieces) else 0
+        if src.nbytes >= cma_mod.MIN_BYTES:  # (the same size on every rank)
+            if not in_loc:
+                in_loc = self._remote(src)
+            if gather and not out_loc:
+                out_loc = self._remote(dst)
         if not in_loc:
             self._stage_inputs(src, p, 0, share, counts, starts, dt)
         self._first_step(s, MetaKey(coll_key(coll, op), dt.code, src.size, shape, 0, in_loc,
@@ -547,8 +611,10 @@ class ShmEngine:
         own_in_private = in_loc == 0
         own_out_private = gather and out_loc == 0
         # One step more after the last chunk: an allreduce collects the last reduced parts;
-        # a reduce-scatter whose peers read inputs from heaps waits until they are done.
-        trailing = 1 if gather or any(v is not None for v in plan.in_views) or in_loc else 0
+        # a reduce-scatter where some rank's input is read in place (from its heap or by
+        # cross-memory copies) waits until its readers are done. Every rank decides from
+        # the same records.
+        trailing = 1 if gather or plan.read_in_place else 0
         for chunk in range(plan.chunks + trailing):
             if chunk:  # the first step above was chunk 0's synchronisation
                 s += 1
@@ -569,19 +635,38 @@ class ShmEngine:
         locs_out = [records.field(i, p, M_OUT) if gather else 0 for i in range(self.size)]
         in_views: list[np.ndarray | None] = [None] * self.size
         out_views: list[np.ndarray | None] = [None] * self.size
+        in_remote: list[tuple[int, int] | None] = [None] * self.size
+        out_remote: list[tuple[int, int] | None] = [None] * self.size
         nbytes, st = numel * dt.itemsize, dt.storage
         for i in self._peers:
-            if locs_in[i]:
-                in_views[i] = self._peer_heaps.view(i, locs_in[i], nbytes, st)
-            if locs_out[i]:
-                out_views[i] = self._peer_heaps.view(i, locs_out[i], nbytes, st)
+            # a location word > 0 is in the peer's heap, < 0 minus a private address
+            loc = locs_in[i]
+            if loc > 0:
+                in_views[i] = self._peer_heaps.view(i, loc, nbytes, st)
+            elif loc < 0:
+                in_remote[i] = (self._peer_pid[i], -loc)
+            loc = locs_out[i]
+            if loc > 0:
+                out_views[i] = self._peer_heaps.view(i, loc, nbytes, st)
+            elif loc < 0:
+                out_remote[i] = (self._peer_pid[i], -loc)
         if all(locs_in) and (not gather or all(locs_out)):
             share = max(1, max(counts))  # nothing is staged: one chunk, reduced block by block
         largest = max(counts)
+        block = max(1, self.block_bytes // dt.itemsize)
+        scratch = None
+        if any(in_remote):
+            # each cross-memory read pins the peer's pages: larger blocks spread that cost
+            block = max(block, cma_mod.BLOCK_BYTES // dt.itemsize)
+            key = (st, block)
+            scratch = self._scratch.get(key)
+            if scratch is None:
+                scratch = self._scratch[key] = [np.empty(block, st) for _ in range(self.size)]
         return _Chunks(share=share, chunks=-(-largest // share) if largest else 0,
                        counts=counts, starts=starts, in_views=in_views, out_views=out_views,
-                       publish=gather and not all(locs_out),
-                       block=max(1, self.block_bytes // dt.itemsize))
+                       publish=gather and not all(locs_out), block=block,
+                       in_remote=in_remote, out_remote=out_remote, scratch=scratch,
+                       read_in_place=any(locs_in))
 
     def _stage_inputs(self, src, p: int, chunk: int, share: int, counts: list[int],
                       starts: list[int], dt: DType) -> None:
@@ -627,6 +712,14 @@ class ShmEngine:
                     view = plan.in_views[i]
                     if view is not None:
                         terms.append(view[lo:hi])
+                    elif plan.in_remote[i] is not None:
+                        pid, addr = plan.in_remote[i]
+                        got = plan.scratch[i][:count]
+                        try:
+                            self._xmem.read(pid, addr + lo * isz, got)
+                        except DDLPeerError as exc:
+                            raise self._lost(i, exc, gather) from None
+                        terms.append(got)
                     else:
                         at = (r * share + offset) * isz
                         terms.append(staged[i][at : at + count * isz].view(st))
@@ -644,6 +737,19 @@ class ShmEngine:
                     for j in self._peers:
                         if plan.out_views[j] is not None:
                             np.copyto(plan.out_views[j][lo:hi], out)
+                        elif plan.out_remote[j] is not None:
+                            pid, addr = plan.out_remote[j]
+                            try:
+                                self._xmem.write(pid, addr + lo * isz, out)
+                            except DDLPeerError as exc:
+                                raise self._lost(j, exc, gather) from None
+
+    def _lost(self, i: int, exc: DDLPeerError, gather: bool) -> DDLPeerError:
+        """A cross-memory copy with local rank ``i`` failed: it died (or its memory went)
+        inside the collective."""
+        what = "allreduce" if gather else "reduce_scatter"
+        alive = "" if pid_alive(self._peer_pid[i]) else " died;"
+        return DDLPeerError(f"{self._me()}: {what}: rank {self._peer_grank[i]}{alive} {exc}")
 
     def allgather(self, src: np.ndarray, dt: DType, row_shape: tuple[int, ...],
                   alloc: Callable[[list[int]], np.ndarray]) -> np.ndarray:

@@ -31,6 +31,9 @@ from ..runtime import callers_waiting
 
 # control-block words (the metadata records of shm_meta follow them in the same block)
 W_SEQ, W_PID, W_STATE, W_GRANK, W_SLEEP = 0, 1, 2, 3, 4
+# cross-memory attach (engines/cma.py): the address of this rank's probe word, and whether
+# it read every peer's (1) or not (2)
+W_CMA, W_CMA_OK = 5, 6
 # the state word
 S_NONE, S_ATTACHED, S_ABORTED, S_CLOSED = 0, 1, 2, 3
 # wait policy -> (polls before yielding, yields before sleeping on the futex). spin: every

@@ -30,13 +30,16 @@ call's own data collective instead (``ShmEngine.fold_identity``): every rank rea
 descriptor after that step and computes the same MAX; when :func:`problem` holds, or some
 rank exchanged its descriptor alone (a joined rank, a call that failed there), no rank
 moves data in that step and each gets the MAX back (``Unfolded``), which the path above
-then handles exactly as the result of a separate exchange. Calls whose data step reads the
-exchange's result before its first collective (``broadcast_object``...), jobs whose
-torch tensors may go to a device engine, multi-host engines, and calls made while the
-timeline or the torch profiler records (so the exchange shows as its own span) keep the
-separate exchange. A folded call's descriptor is made once per kind of call (``Fold``, only
-its sequence number patched per call) and compared as one view per peer. A set of one rank
-has no peer to agree with: its calls take the folded path with nobody to meet (``_SOLO``).
+then handles exactly as the result of a separate exchange. On the multi-host engine the
+descriptor rides on the call's first message across hosts the same way
+(engines/identity_round.py), with a small allreduce's data in that message. Calls whose
+data step reads the exchange's result before its first collective (``broadcast_object``...),
+jobs whose torch tensors may go to a device engine, grids of more than one dimension across
+hosts, and calls made while the timeline or the torch profiler records (so the exchange
+shows as its own span) keep the separate exchange. A folded call's descriptor is made once
+per kind of call (``Fold``, only its sequence number patched per call) and compared as one
+view per peer. A set of one rank has no peer to agree with: its calls take the folded path
+with nobody to meet (``_SOLO``).
 """
 
 from __future__ import annotations

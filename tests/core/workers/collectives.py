@@ -113,6 +113,23 @@ for dtype in ("float16", "float32", "float64"):
         avg = ddl.allreduce(x, op=ddl.Average)
         record(avg)
 
+# large private buffers: read and written in place by the peers where the machine allows
+# cross-memory copies (engines/cma.py, from MIN_BYTES), else staged
+for dtype, count, op in (("float32", 2_500_001, ddl.Sum), ("int64", 1_100_003, ddl.Max)):
+    x = gen(R, dtype, count, 13, op)
+    want = expect(dtype, count, 13, op)
+    check_equal(ddl.allreduce(x, op=op), want, f"large allreduce {dtype}[{count}]")
+    ddl.allreduce_(x, op=op)
+    check_equal(x, want, f"large allreduce_ {dtype}[{count}]")
+    record(x)
+rows = 1_000_003
+x = gen(R, "float32", rows * 3, 14).reshape(rows, 3)
+got = ddl.reduce_scatter(x, op=ddl.Sum)
+split = ddl.split_rows(rows, N)
+lo = sum(split[:R])
+check_equal(got, expect("float32", rows * 3, 14, ddl.Sum).reshape(rows, 3)[lo : lo + split[R]],
+            "large reduce_scatter")
+
 # multi-dimensional shapes and a non-contiguous input
 m = np.arange(6 * 5 * 4, dtype=np.int32).reshape(6, 5, 4) * (R + 1)
 got = ddl.allreduce(m, op=ddl.Sum)
@@ -248,5 +265,6 @@ for dtype in ("float32", "int64", "float16"):
 
 ddl.barrier()
 print(json.dumps({"rank": R, "checks": checks, "digest": digest.hexdigest(),
-                  "engine": ddl.engine_name()}))
+                  "engine": ddl.engine_name(),
+                  "cma": getattr(api.session().engine, "cross_memory", None)}))
 ddl.shutdown()
