@@ -42,11 +42,15 @@ class Session:
     options: options.Options
     devices: DeviceRouter  # which torch tensors go to a device engine
     maker: GroupMaker
-    rdzv: Any = None  # ddl's rendezvous when init opened one to agree the job id
+    rdzv: Any = None  # ddl's rendezvous: init's (job id, multi-host) or the device groups'
     groups: list[Group] = dataclasses.field(default_factory=list)  # live new_group()s
 
 
 _session: Session | None = None
+# This process's ddl.init() calls so far. Every rank makes the same calls (as in Horovod),
+# so the count names one generation of the job on every rank: the rendezvous of each init
+# is told apart from the last one's, which may still hold the port (rendezvous.py).
+_generation = 0
 
 
 def session() -> Session | None:
@@ -59,10 +63,11 @@ def init() -> None:
     """Join the job described by the launch environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, ...; see docs/api.md). Without one, this process is a 1-rank world.
     Calling it again is a no-op."""
-    global _session
+    global _session, _generation
     with _lock:
         if _session is not None:
             return
+        _generation += 1
         world = world_from_env()
         opts = options.parse(config.get("DDL_OPTIONS"))
         options.check_grid(opts, world.size)
@@ -71,7 +76,10 @@ def init() -> None:
         timeline.start_from_env(world.rank, config.get("DDL_TIMELINE"))
         world, rdzv = _identify(world)
         try:
-            engine = _make_engine(world, opts, rdzv)
+            kind = _engine_kind(world, opts)
+            if rdzv is None and kind == "gloo":
+                rdzv = _join(world)
+            engine = _make_engine(kind, world, opts, rdzv)
         except BaseException:
             if rdzv is not None:
                 rdzv.close()
@@ -122,11 +130,9 @@ def _identify(world: World) -> tuple[World, Any]:
         return world, None
     if world.size == 1:
         return dataclasses.replace(world, job_id=identity.random_job_id()), None
-    from .rendezvous import connect
-
     addr, port = config.get("MASTER_ADDR"), _port()
     timeout = config.init_timeout()
-    rdzv = connect(world.rank, world.size, addr, port, identity.job_secret(), timeout)
+    rdzv = _join(world)
     try:
         job_id = identity.agree_job_id(rdzv.client, world.rank, world.size, timeout,
                                        f"{addr}:{port}")
@@ -134,6 +140,30 @@ def _identify(world: World) -> tuple[World, Any]:
         rdzv.close()
         raise
     return dataclasses.replace(world, job_id=job_id), rdzv
+
+
+def _join(world: World):
+    """This init's generation of ddl's rendezvous, kept in the session so that shutdown()
+    closes it (an engine's own one would outlive the session and keep the port)."""
+    from .rendezvous import connect
+
+    return connect(world.rank, world.size, config.get("MASTER_ADDR"), _port(),
+                   identity.job_secret(), config.init_timeout(), generation=_generation)
+
+
+def _engine_kind(world: World, opts: options.Options) -> str:
+    """Which engine the job runs: "local" for one rank; "shm" when every rank is on this
+    host (any grid inside one host is the same set of ranks); otherwise the
+    multi-dimensional engine over shared memory inside hosts and "gloo" or "mpi" across."""
+    if world.size == 1:
+        return "local"
+    g = grid.plan(world.rank, world.size, world.local_size, opts)
+    if world.local_size == world.size and all(d.intra_host for d in g.dims):
+        return "shm"
+    transport = config.get("DDL_TRANSPORT")
+    if transport == "auto":
+        transport = "mpi" if world.launched_by_mpi and _have("mpi4py") else "gloo"
+    return transport
 
 
 def _rendezvous():
@@ -146,8 +176,11 @@ def _rendezvous():
         return store
     from .engines.gloo import GlooContext
 
-    # init's rendezvous holds the port already when it agreed the job id through it. Else
-    # the store keeps the one made here (rank 0's server) alive as long as torch holds it.
+    # init's rendezvous when it opened one (to agree the job id, or for the multi-host
+    # engine); else this init's generation of it, opened now and kept in the session so
+    # that shutdown() closes it after the device groups (the next init listens again).
+    if s.rdzv is None:
+        s.rdzv = _join(s.world)
     return GlooContext(s.world.rank, s.world.size, config.get("MASTER_ADDR"), _port(),
                        config.get("DDL_TIMEOUT"), secret=identity.job_secret(),
                        rendezvous=s.rdzv).store
@@ -166,14 +199,12 @@ def _shm_kwargs() -> dict:
     )
 
 
-def _make_engine(world: World, opts: options.Options, rdzv: Any = None):
-    """Local for one rank; the shared-memory engine when every rank is on this host (any
-    grid inside one host is the same set of ranks); otherwise the multi-dimensional engine
-    over shared memory inside hosts and Gloo across them."""
-    if world.size == 1:
+def _make_engine(kind: str, world: World, opts: options.Options, rdzv: Any = None):
+    """The engine of ``_engine_kind``; ``rdzv``: init's rendezvous, which the multi-host
+    engine makes its groups through (it stays the session's to close)."""
+    if kind == "local":
         return LocalEngine()
-    g = grid.plan(world.rank, world.size, world.local_size, opts)
-    if world.local_size == world.size and all(d.intra_host for d in g.dims):
+    if kind == "shm":
         from .engines.shm import ShmEngine
 
         return ShmEngine(job_id=world.job_id, host_index=world.host_index,
@@ -182,12 +213,8 @@ def _make_engine(world: World, opts: options.Options, rdzv: Any = None):
                          dump_iter=opts.dump_iter, **_shm_kwargs())
     from .engines.multihost import MultiHostEngine
 
-    port = _port()
-    transport = config.get("DDL_TRANSPORT")
-    if transport == "auto":
-        transport = "mpi" if world.launched_by_mpi and _have("mpi4py") else "gloo"
-    return MultiHostEngine(world, opts, transport=transport, addr=config.get("MASTER_ADDR"),
-                           port=port,
+    return MultiHostEngine(world, opts, transport=kind, addr=config.get("MASTER_ADDR"),
+                           port=_port(),
                            timeout=config.get("DDL_TIMEOUT"),
                            chunk_bytes=config.get("DDL_CHUNK_BYTES"),
                            shm_kwargs=_shm_kwargs(), secret=identity.job_secret(),

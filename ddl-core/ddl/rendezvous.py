@@ -50,6 +50,8 @@ _MAX_FRAME = 1 << 30
 _MAGIC = b"DDLS1"
 _HELLO = struct.Struct("!5sB32s")  # magic, flags, server nonce
 _FLAG_SECRET = 1
+_FLAG_GENERATION = 2  # a !I generation follows the hello (a server of ddl.init's)
+_GEN = struct.Struct("!I")
 _NONCE = 32
 _CLIENT_LABEL = b"ddl-store-client"
 _SERVER_LABEL = b"ddl-store-server"
@@ -205,15 +207,23 @@ class _Parked:
 class StoreServer:
     """The store, served from rank 0 on ``addr:port`` (port 0: any free port, see ``.port``).
 
+    ``generation``: which ``ddl.init()`` of the job this store serves. After a shutdown the
+    next init's store takes the same port, and a rank may get there before rank 0 closed
+    the last one: the hello names the generation (and the server's proof covers it), so
+    that rank waits for the new store instead of joining the old one and its stale keys.
+
     One daemon thread serves every connection from one ``selectors`` loop: a blocked get or
     wait parks its connection until a write completes it or its timeout passes, so rank 0
     keeps one thread however many ranks connect (and none is left to a stranger who
     connects and says nothing). ``secret=None`` runs open."""
 
     def __init__(self, addr: str, port: int, secret: bytes | None, *, timeout: float,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING):
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING,
+                 generation: int | None = None):
         self.addr = addr
         self._secret = secret
+        self.generation = generation
+        self._gen = b"" if generation is None else _GEN.pack(generation)
         self._handshake_timeout = min(handshake_timeout, max(timeout, 0.1))
         self._max_pending = max_pending
         self._data: dict[str, bytes] = {}
@@ -347,7 +357,8 @@ class StoreServer:
                     self._drop(next(iter(self._pending)))
                 self._pending[conn] = None
                 self._timer(time.monotonic() + self._handshake_timeout, "handshake", conn)
-            self._send(conn, _HELLO.pack(_MAGIC, _FLAG_SECRET if self._secret else 0, nonce))
+            flags = (_FLAG_SECRET if self._secret else 0) | (_FLAG_GENERATION if self._gen else 0)
+            self._send(conn, _HELLO.pack(_MAGIC, flags, nonce) + self._gen)
 
     def _drop(self, conn: _Conn) -> None:
         if conn.dead:
@@ -405,7 +416,7 @@ class StoreServer:
                     return
                 del self._pending[conn]
                 conn.state = "ready"
-                self._send(conn, _proof(self._secret, _SERVER_LABEL, answer[_NONCE:]))
+                self._send(conn, _proof(self._secret, _SERVER_LABEL, answer[_NONCE:] + self._gen))
                 continue
             if len(conn.rbuf) < _HEAD.size:
                 return
@@ -526,14 +537,18 @@ class StoreServer:
 class StoreClient:
     """A connection to the store for one rank. Thread-safe: each call takes a connection
     from a pool (opening one when all are busy), so a thread blocked in ``get`` never holds
-    up another thread's ``set`` that would end its wait."""
+    up another thread's ``set`` that would end its wait.
+
+    ``generation``: the store of which ``ddl.init()`` to join (see StoreServer); None takes
+    whichever serves the port."""
 
     def __init__(self, addr: str, port: int, secret: bytes | None, *, rank: int,
-                 timeout: float):
+                 timeout: float, generation: int | None = None):
         self.addr = addr
         self.port = port
         self.rank = rank
         self.timeout = timeout
+        self.generation = generation
         self._secret = secret
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
@@ -580,6 +595,22 @@ class StoreClient:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._handshake(sock, min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT))
+            except _OtherGeneration as other:
+                sock.close()
+                if self._reached:  # ours closed, and the next init's took the port
+                    raise self._lost_error(what) from None
+                if other.found is not None and other.found > self.generation:
+                    raise DDLPeerError(
+                        f"rank {self.rank}: ddl's rendezvous at {self._where} serves init "
+                        f"#{other.found} of the job, this rank is at init #{self.generation} "
+                        "(did the ranks call ddl.init() unequally often?)"
+                    ) from None
+                # rank 0 has not closed the last init's store yet: wait for the new one
+                last = (f"rank 0 still serves the store of init #{other.found}, this rank "
+                        f"wants init #{self.generation}")
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
+                continue
             except _Refused:
                 sock.close()
                 refusals += 1
@@ -620,6 +651,12 @@ class StoreClient:
                 f"rank {self.rank}: {self._where} is not ddl's rendezvous (another program "
                 "holds the port? set MASTER_PORT or DDL_PORT)"
             )
+        gen = b""
+        if flags & _FLAG_GENERATION:
+            try:
+                gen = _recv_exact(sock, _GEN.size, deadline)
+            except TimeoutError:
+                raise _Closed() from None
         wants_secret = bool(flags & _FLAG_SECRET)
         if wants_secret != (self._secret is not None):
             mine, theirs = (("has no secret", "wants one") if wants_secret
@@ -629,6 +666,10 @@ class StoreClient:
                 f"at {self._where} {theirs} (DDL_JOB_SECRET must be the same on every rank; "
                 "ddlrun sets it)"
             )
+        if self.generation is not None:
+            found = _GEN.unpack(gen)[0] if gen else None
+            if found != self.generation:
+                raise _OtherGeneration(found)
         if self._secret is None:
             return
         mine = os.urandom(_NONCE)
@@ -637,7 +678,7 @@ class StoreClient:
             theirs = _recv_exact(sock, _NONCE, deadline)
         except (_Closed, ConnectionResetError):
             raise _Refused() from None
-        if not hmac.compare_digest(theirs, _proof(self._secret, _SERVER_LABEL, mine)):
+        if not hmac.compare_digest(theirs, _proof(self._secret, _SERVER_LABEL, mine + gen)):
             raise DDLConfigError(
                 f"rank {self.rank}: the process at {self._where} does not know the job's "
                 "secret: another job holds the port (set MASTER_PORT or DDL_PORT), or the "
@@ -766,6 +807,15 @@ class _Refused(Exception):
     """The server hung up after our proof."""
 
 
+class _OtherGeneration(Exception):
+    """The server is another ``ddl.init()``'s (``found``: its generation, None: it names
+    none): an earlier one's that rank 0 has not closed yet, or a later one's."""
+
+    def __init__(self, found: int | None):
+        super().__init__(found)
+        self.found = found
+
+
 # ---------------------------------------------------------------------- the job's
 class Rendezvous:
     """This rank's part of the job's store: the client, and on rank 0 the server too."""
@@ -785,18 +835,20 @@ class Rendezvous:
 
 
 def connect(rank: int, size: int, addr: str, port: int, secret: bytes | None,
-            timeout: float) -> Rendezvous:
+            timeout: float, generation: int | None = None) -> Rendezvous:
     """Join the job's store at ``addr:port``: rank 0 serves it, every rank (rank 0 too) is a
-    client of it. ``secret`` must be the same on every rank (None: an open store)."""
+    client of it. ``secret`` must be the same on every rank (None: an open store);
+    ``generation`` too (which ``ddl.init()`` of the job this is; see StoreServer)."""
     server = None
     if rank == 0:
-        server = StoreServer(addr, port, secret, timeout=timeout)
+        server = StoreServer(addr, port, secret, timeout=timeout, generation=generation)
         port = server.port
         if secret is None:
             log.warning("ddl: the rendezvous at %s:%d is open: no DDL_JOB_SECRET (ddlrun sets "
                         "one; see docs/security.md)", addr, port)
     try:
-        client = StoreClient(addr, port, secret, rank=rank, timeout=timeout)
+        client = StoreClient(addr, port, secret, rank=rank, timeout=timeout,
+                             generation=generation)
     except BaseException:
         if server is not None:
             server.close()

@@ -107,6 +107,49 @@ def test_timeouts_name_the_rank_the_keys_and_the_timeout(server):
     c.close()
 
 
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_rank_of_the_next_init_waits_out_the_last_inits_store(secret):
+    """After shutdown, a rank's next init may reach rank 0 before rank 0 closed the last
+    init's store on the same port: it must wait for the new store, not join the old one and
+    its keys (nor fail on it), and a client of the old one must not slip into the new one."""
+    port = free_port()
+    old = rdv.StoreServer(LOCAL, port, secret, timeout=10, generation=1)
+    stale = rdv.StoreClient(LOCAL, port, secret, rank=2, timeout=10, generation=1)
+    stale.set("ddl/d0l0/here/1", b"1")
+    got = []
+    t = threading.Thread(target=lambda: got.append(
+        rdv.StoreClient(LOCAL, port, secret, rank=1, timeout=10, generation=2)))
+    t.start()
+    time.sleep(0.5)
+    assert not got  # still waiting: the store on the port is init #1's
+    stale._idle.clear()  # its next call needs a new connection
+    old.close()
+    new = rdv.StoreServer(LOCAL, port, secret, timeout=10, generation=2)
+    try:
+        t.join(10)
+        assert got
+        assert not got[0].check(["ddl/d0l0/here/1"])  # a fresh store
+        with pytest.raises(DDLPeerError, match="lost ddl's rendezvous"):
+            stale.set("k", b"v")
+        assert not got[0].check(["k"])
+        with pytest.raises(DDLPeerError, match="init #2 of the job, this rank is at init #1"):
+            rdv.StoreClient(LOCAL, port, secret, rank=3, timeout=2, generation=1)
+        got[0].close()
+    finally:
+        stale.close()
+        new.close()
+
+
+def test_a_rank_waiting_for_the_next_inits_store_times_out_saying_so():
+    s = rdv.StoreServer(LOCAL, 0, SECRET, timeout=10, generation=4)
+    try:
+        with pytest.raises(DDLTimeoutError) as e:
+            rdv.StoreClient(LOCAL, s.port, SECRET, rank=1, timeout=0.5, generation=5)
+        assert "rank 1" in str(e.value) and "init #4" in str(e.value)
+    finally:
+        s.close()
+
+
 def test_no_server_is_a_timeout_naming_the_rank_and_address():
     port = free_port()
     t = time.monotonic()

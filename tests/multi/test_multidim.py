@@ -57,8 +57,9 @@ def test_shutdown_leaves_no_communication_thread(env):
     "terminate called without an active exception" after every rank had finished)."""
     for r in reports(run_worker("threads_left.py", 4, per_rank_env=hosts_env(4, 2), env=env)):
         assert r["during"] > r["before"], r
-        # rank 0 serves the rendezvous store, whose thread lives until the process exits
-        assert r["after"] == r["before"] + (r["rank"] == 0), r
+        # rank 0's rendezvous store (and its thread) goes with the session too: the next
+        # init() opens its own on the same port
+        assert r["after"] == r["before"], r
 
 
 def test_grid_that_does_not_match_the_job_is_refused():

@@ -57,3 +57,30 @@ def test_multidimensional_allreduce_across_hosts(cluster, nhosts, mode):
 
 def test_flat_ring_across_hosts(cluster):
     _run(cluster, 2, "--no_ddloptions")
+
+
+IDENTITY = os.path.join(HERE, "..", "core", "workers", "identity_fold.py")
+
+
+@pytest.mark.parametrize("scenario,slots", [("calls", 2), ("mismatch", 1)])
+def test_horovod_calls_carry_their_identity_across_hosts(cluster, scenario, slots):
+    """Horovod-level calls over the namespaces' network: every identity rides on its call's
+    first message across hosts (no exchange of its own), and calls that differ between the
+    hosts raise on every rank (engines/identity_round.py)."""
+    job = f"id{scenario}{os.getpid()}"
+    argv = cluster.in_launcher([
+        sys.executable, "-m", "ddlrun", *cluster.ddlrun_opts(), "-H", cluster.hosts(2, slots),
+        "--job-id", job, sys.executable, IDENTITY, scenario])
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    reports = [json.loads(m.group(1)) for m in re.finditer(r"^\[\d+\] (\{.*\})$", res.stdout,
+                                                           re.M)]
+    assert len(reports) == 2 * slots, res.stdout
+    for r in reports:
+        assert r["engine"] == "ddl/gloo", r
+        if scenario == "calls":
+            assert r["wrong"] == [] and r["separate"] == 0, r
+        else:
+            assert r["numel"]["type"] == r["kind"]["type"] == "DDLMismatchError", r
+            assert "float32[512]" in r["numel"]["text"], r
+            assert r["after_ok"] and r["separate_after"] == 0, r

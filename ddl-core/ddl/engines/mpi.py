@@ -51,6 +51,9 @@ class MPIContext:
             everyone.Free()
         return MPIGroup(self.MPI, comm, name, members, position)
 
+    def close(self) -> None:
+        """Nothing to leave: COMM_WORLD is the launcher's, each group frees its own."""
+
 
 class MPIGroup:
     name = "mpi"

@@ -205,3 +205,9 @@ class MultiHostEngine(DimsEngine):
         super().__init__(MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
                                   timeout=timeout, dump_iter=opts.dump_iter),
                          world_group, world.size, world.rank, f"ddl/{transport}")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.ctx.close()  # the rendezvous, when the context joined its own
