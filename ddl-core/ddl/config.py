@@ -146,10 +146,11 @@ _VARS = [
     EnvVar(
         "DDL_SHM_CMA",
         _bool,
-        True,
-        "let the ranks of a host read and write each other's private buffers in place "
-        "(process_vm_readv/writev, probed at start; used only where the kernel already "
-        "allows it between every pair); 0 stages them through the shared slots",
+        False,
+        "1: the ranks of a host read and write each other's private buffers of 8 MiB and "
+        "more in place (process_vm_readv/writev, probed at start; used only where the "
+        "kernel already allows it between every pair); 1.3-1.7x faster than staging for "
+        "numpy arrays, not for torch-allocated tensors (docs/performance.md)",
     ),
     EnvVar(
         "DDL_SHM_FENCES",

@@ -19,9 +19,15 @@ def _check(results, min_checks=250, cma=None):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives_match_numpy(n):
-    """Private buffers read in place by cross-memory copies wherever this machine allows
-    them (the default), else staged."""
-    _check(run_worker("collectives.py", n), 700, cma=cma_possible())
+    """Private buffers staged through the slots (the default)."""
+    _check(run_worker("collectives.py", n), 700, cma=False)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_match_numpy_with_cross_memory_copies(n):
+    """DDL_SHM_CMA=1: large private buffers read and written in place by the peers wherever
+    this machine allows it, else staged."""
+    _check(run_worker("collectives.py", n, env=dict(DDL_SHM_CMA="1")), 700, cma=cma_possible())
 
 
 @pytest.mark.parametrize("cma", ["1", "0"])
@@ -71,6 +77,6 @@ def test_256_mib_allreduce():
 def test_cross_memory_only_when_every_rank_agrees():
     """One rank refusing cross-memory copies (DDL_SHM_CMA=0) makes every rank stage: a rank
     that read a peer in place while that peer staged nothing would wait for it forever."""
-    per_rank = [{}, {"DDL_SHM_CMA": "0"}, {}]
+    per_rank = [{"DDL_SHM_CMA": "1"}, {"DDL_SHM_CMA": "0"}, {"DDL_SHM_CMA": "1"}]
     _check(run_worker("collectives.py", 3, "0,5,70000,300001", per_rank_env=per_rank), 200,
            cma=False)

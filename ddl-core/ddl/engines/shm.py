@@ -181,7 +181,7 @@ class ShmEngine:
         scope: str = "",
         token: int | None = None,
         dump_iter: int = 0,
-        cma: bool = True,
+        cma: bool = False,
     ):
         """``dump_iter``: every this many allreduces, rank 0 logs their time (``-dump_iter``
         of a job on one host; in a multi-host job the multi-dimensional engine does).
