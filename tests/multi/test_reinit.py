@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.core.util import hosts_env  # noqa: E402 - after the skip
+from tests.torch.safety_checks import check_cycles, check_shutdown  # noqa: E402
 from tests.torch.torch_util import reports, run_worker  # noqa: E402
 
 
@@ -23,26 +24,9 @@ def job(request):
 
 @pytest.mark.timeout(360)
 def test_shutdown_while_a_peer_is_in_a_collective_then_init_again(job):
-    n, reps = job
-    for rank, r in enumerate(reps):
-        s = r["shutdown"]
-        assert "error" not in s, s.get("error")
-        for quitter in sorted({0, n - 1}):
-            if rank != quitter:
-                got = s[f"quit{quitter}_peer_error"]
-                assert got["type"] == "DDLMismatchError", got
-                assert f"rank {quitter}: hvd.shutdown()" in got["msg"], got
-            assert s[f"quit{quitter}_in_step"], (rank, quitter)
-            assert s[f"quit{quitter}_seconds"] < 20, s
+    check_shutdown(*job)
 
 
 @pytest.mark.timeout(360)
 def test_twenty_shutdown_init_cycles_leak_nothing(job):
-    _, reps = job
-    for r in reps:
-        c = r["cycles"]
-        assert "error" not in c, c.get("error")
-        # per cycle: the collectives were right, and (from the second shutdown on) threads,
-        # file descriptors and this rank's /dev/shm segments are back where they were
-        assert c["checked"] == [True] * 39, c["checked"]
-        assert c["shm_left"] == []
+    check_cycles(job[1])

@@ -5,6 +5,7 @@ job per rank count, the tests read its report. The soak test mixes 1,000 random 
 errors injected on single ranks."""
 
 import pytest
+from safety_checks import check_cycles, check_shutdown
 from torch_util import reports, run_worker
 
 from tests.core.util import hosts_env
@@ -119,29 +120,14 @@ def test_duplicate_names_raise_value_error_on_every_rank_as_in_horovod(job):
 def test_shutdown_while_a_peer_is_in_a_collective_then_init_again(job):
     n, reps = job
     _single_host(reps, "shutdown")
-    for rank, r in enumerate(reps):
-        s = r["shutdown"]
-        assert "error" not in s, s.get("error")
-        for quitter in sorted({0, n - 1}):
-            if rank != quitter:
-                got = s[f"quit{quitter}_peer_error"]
-                assert got["type"] == "DDLMismatchError", got
-                assert f"rank {quitter}: hvd.shutdown()" in got["msg"], got
-            assert s[f"quit{quitter}_in_step"], (rank, quitter)
-            assert s[f"quit{quitter}_seconds"] < 20, s
+    check_shutdown(n, reps)
 
 
 @pytest.mark.timeout(300)
 def test_twenty_shutdown_init_cycles_leak_nothing(job):
-    n, reps = job
+    _, reps = job
     _single_host(reps, "cycles")
-    for r in reps:
-        c = r["cycles"]
-        assert "error" not in c, c.get("error")
-        # per cycle: the collectives were right, and (from the second shutdown on) threads,
-        # file descriptors and this rank's /dev/shm segments are back where they were
-        assert c["checked"] == [True] * 39, c["checked"]
-        assert c["shm_left"] == []
+    check_cycles(reps)
 
 
 @pytest.mark.slow
