@@ -106,3 +106,19 @@ def test_asking_for_mpi_without_mpi4py_is_a_clear_error(tmp_path):
                      env=dict(DDL_TRANSPORT="mpi", PYTHONPATH=_without_mpi4py(tmp_path)))
     assert [r.returncode for r in res] == [1, 1], [r.stderr for r in res]
     assert all("the mpi engine needs mpi4py" in r.stderr for r in res)
+
+
+@pytest.mark.parametrize("n,per", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_core_calls_that_differ_across_hosts_raise_on_every_rank(n, per):
+    """A core call carries a key across hosts (engines/identity_round.py): a float32 and an
+    int32 allreduce of one size used to pair silently (garbage), two sizes aborted the
+    process inside Gloo. Each case must raise on every rank, and the job go on."""
+    reps = reports(run_worker("cross_host_mismatch.py", n, env={"DDL_TIMEOUT": "20"},
+                              per_rank_env=hosts_env(n, per)))
+    cases = ("dtype", "numel", "op", "numel_large", "dtype_large", "kind", "root", "rows",
+             "reduce_scatter")
+    for r in reps:
+        for case in cases:
+            assert r[case] == "DDLMismatchError", (r["rank"], case, r[case])
+            assert r[f"{case}_after"], (r["rank"], case)
+        assert "ranks on different hosts called different collectives" in r["dtype_msg"]

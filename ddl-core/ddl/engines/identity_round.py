@@ -23,6 +23,11 @@ job-wide MAX, which negotiate handles as the result of a separate exchange. A ra
 exchanges its identity alone (``alone``: a joined rank, a call that failed here) meets the
 folded ones in the same round. A host whose ranks ran different kinds of collective
 (``DDLMismatchError`` inside it) says so in its status, so every host raises.
+
+A core call (``ddl.allreduce``..., the torch ``ddl`` backend's) takes the same round with a
+key instead of a Horovod descriptor (its collective, op, dtype, count, shape:
+``DimsEngine._core``), so that two different calls on two hosts raise on every rank instead
+of pairing; a small allreduce's data rides along as well.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import cost
 from .. import grid as gridmod
+from .. import timeline as _tl
 from ..algorithms.dims import GroupDim, ShmDim
 from ..algorithms.multidim import MultiDim
 from ..dtypes import BY_NAME, DType
@@ -27,7 +28,20 @@ from ..topology import World
 from . import identity_round
 from .gloo import GlooContext
 from .shm import ShmEngine
-from .shm_meta import Fold, Unfolded
+from .shm_meta import (
+    ALLGATHER,
+    ALLREDUCE,
+    BARRIER,
+    BROADCAST,
+    REDUCE_SCATTER,
+    Fold,
+    Unfolded,
+    shape_hash,
+)
+
+# A core call's key in the identity round (a Horovod descriptor's first word is a small kind,
+# so the two never compare equal): the collective, then what every rank must agree on.
+_CORE_KEY = 1 << 40
 
 
 class DimsEngine:
@@ -47,6 +61,7 @@ class DimsEngine:
         # where the grid is one dimension across hosts after at most one inside them;
         # other grids offer no fold, and negotiate exchanges identities on their own.
         self.armed: Fold | None = None
+        self._core_folds: dict[tuple, Fold] = {}
         found = identity_round.supports(multidim.dims, size)
         if found is None:
             self.fold_identity = self.exchange_identity = None
@@ -87,17 +102,55 @@ class DimsEngine:
         fold, self.armed = self.armed, None
         self._guard(self._round.settle, fold)
 
+    # --------------------------------------------------------- core calls' keys
+    def _core(self, words: tuple, what: Callable[[], str], fn: Callable | None = None,
+              *args) -> None:
+        """A core call (no Horovod identity) checked across hosts before its data moves: its
+        key (``words``) in the identity round, alone (``fn`` None) or with a small
+        allreduce's data (``fn`` the round's allreduce). Inside a host the shared-memory
+        engine checks the ranks' records itself; across hosts nothing else would: two
+        different calls would pair (a float32 and an int32 allreduce of one size give
+        garbage; two sizes abort the process in Gloo)."""
+        fold = self._core_folds.get(words)
+        if fold is None:
+            key = np.array((_CORE_KEY, *words), np.int64)
+            fold = Fold(np.concatenate([key, -key]), _differs)
+            if len(self._core_folds) > 256:
+                self._core_folds.clear()
+            self._core_folds[words] = fold
+        try:
+            if fn is None:
+                self._guard(self._round.settle, fold)
+            else:
+                self._guard(fn, fold, *args)
+        except Unfolded:
+            raise DDLMismatchError(
+                f"rank {self.rank}: ranks on different hosts called different collectives "
+                f"(this rank: {what()}): every rank must issue the same collectives in the "
+                "same order, with the same op, dtype and shape") from None
+
     def describe(self) -> str:
         return self.multidim.describe()
 
     def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
                   op: ReduceOp, shape) -> None:
+        # A small allreduce rides on the round, unless the timeline records or -dump_iter
+        # counts: then it runs through the dimensions, whose phases they show.
+        small = (src.nbytes <= identity_round.FOLD_BYTES and _tl.recorder is None
+                 and not self.multidim.dump_iter)
         if self.armed is not None:
-            if src.nbytes <= identity_round.FOLD_BYTES:
+            if small:
                 fold, self.armed = self.armed, None
                 self._guard(self._round.allreduce, fold, src, dst, dt, op)
                 return
             self._settle()
+        elif self._round is not None:
+            what = lambda: f"allreduce({dt.name}[{src.size}], {op.name})"  # noqa: E731
+            words = (ALLREDUCE, int(op), dt.code, src.size, shape_hash(shape))
+            if small:
+                self._core(words, what, self._round.allreduce, src, dst, dt, op)
+                return
+            self._core(words, what)
         if isinstance(dst, Pieces):  # in place on pieces: the pipeline needs one buffer
             work = np.empty(dst.size, dt.storage)
             copy_flat(src, work)
@@ -110,6 +163,9 @@ class DimsEngine:
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
         if self.armed is not None:
             self._settle()
+        elif self._round is not None:
+            self._core((REDUCE_SCATTER, int(op), dt.code, src.size, shape_hash(shape)),
+                       lambda: f"reduce_scatter({dt.name}[{src.size}], {op.name})")
         work = src.copy()
         self._guard(self.multidim.allreduce, work, dt, op)
         o = sum(counts[: self.rank])
@@ -118,6 +174,9 @@ class DimsEngine:
     def allgather(self, src, dt: DType, row_shape, alloc: Callable[[list[int]], np.ndarray]):
         if self.armed is not None:
             self._settle()
+        elif self._round is not None:  # (first dimensions may differ)
+            self._core((ALLGATHER, dt.code, shape_hash(tuple(row_shape))),
+                       lambda: f"allgather({dt.name} rows of {tuple(row_shape)})")
         return self._guard(self._allgather, src, dt, alloc)
 
     def _allgather(self, src, dt: DType, alloc):
@@ -142,11 +201,16 @@ class DimsEngine:
     def broadcast(self, buf, dt: DType, root: int, shape) -> None:
         if self.armed is not None:
             self._settle()
+        elif self._round is not None:
+            self._core((BROADCAST, dt.code, buf.size, shape_hash(shape), root),
+                       lambda: f"broadcast({dt.name}[{buf.size}], root {root})")
         self._guard(self.world_group.broadcast, buf, dt, root)
 
     def barrier(self) -> None:
         if self.armed is not None:
             self._settle()
+        elif self._round is not None:
+            self._core((BARRIER,), lambda: "barrier")
         self._guard(self.world_group.barrier)
 
     def close(self) -> None:
@@ -154,6 +218,13 @@ class DimsEngine:
             self.multidim.close()
         finally:
             self.world_group.close()  # a second close of a group a dimension uses is harmless
+
+
+def _differs(result: np.ndarray) -> bool:
+    """A core key's MAX: its words, then the negated ones (minus the smallest): whether
+    some rank's key differs from another's."""
+    n = result.size // 2
+    return bool((result[:n] + result[n:]).any())
 
 
 class MultiHostEngine(DimsEngine):
