@@ -4,6 +4,7 @@ interpreter's own exit, which is where a torch process group aborts the process.
 
 import json
 import os
+import time
 
 import numpy as np
 import torch
@@ -35,5 +36,10 @@ if os.environ.get("DDL_DEVICE_ENGINE"):  # torch tensors through the device engi
 ddl.barrier()
 during = threads()
 ddl.shutdown()
+# join() returns once a thread's Python part is done; its OS task may take a moment more
+# to go (rank 0's rendezvous thread was caught so, 3 runs in 8): give that moment, no more
+deadline = time.monotonic() + 2.0
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
 print(json.dumps({"rank": int(os.environ["RANK"]), "before": before, "during": during,
                   "after": threads()}))
