@@ -371,9 +371,11 @@ class ShmEngine:
         """One step at start: each rank reads every peer's probe word across address
         spaces; cross-memory copies are used only if every rank read every peer's (a job
         never mixes the paths: a reader whose peer staged nothing would wait forever)."""
-        if self.size == 1:
-            return None
         q, xmem = self._q, self._xmem
+        # Every rank published its probe's address (0: it does not want cross-memory
+        # copies) before attaching: when some rank does not, all know it without a step.
+        if self.size == 1 or any(q[b + W_CMA] == 0 for b in self._blk):
+            return None
         ok = xmem is not None and all(
             xmem.probe(self._peer_pid[i], q[self._blk[i] + W_CMA],
                        cma_mod.probe_value(self._token, i))
@@ -384,7 +386,7 @@ class ShmEngine:
         self._step.wait_all(s, ("start-up (cross-memory probe)", "-", 0, None))
         if all(q[b + W_CMA_OK] == 1 for b in self._blk):
             return xmem
-        if xmem is not None and self.rank == 0:
+        if self.rank == 0:
             _log.debug("[ddl] %s: cross-memory attach unavailable; private buffers are staged",
                        self._name)
         return None
