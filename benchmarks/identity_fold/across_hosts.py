@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--per", type=int, default=2)
     ap.add_argument("--sizes", default="1K,64M")
     ap.add_argument("--batches", type=int, default=7)
+    ap.add_argument("--mode", default="", help="DDL's -mode, e.g. r:2x2 (two dims across hosts)")
     a = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "..", ".."))
@@ -72,7 +73,7 @@ def main() -> int:
     from tests.core.util import hosts_env
 
     n = a.hosts * a.per
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", **({"DDL_OPTIONS": f"-mode {a.mode}"} if a.mode else {})}
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     res = run_workers(os.path.abspath(__file__), n, "--worker", a.sizes, str(a.batches),

@@ -108,12 +108,17 @@ def test_asking_for_mpi_without_mpi4py_is_a_clear_error(tmp_path):
     assert all("the mpi engine needs mpi4py" in r.stderr for r in res)
 
 
-@pytest.mark.parametrize("n,per", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_core_calls_that_differ_across_hosts_raise_on_every_rank(n, per):
+@pytest.mark.parametrize("n,per,mode", [
+    (2, 1, ""), (4, 2, ""),
+    # grids whose round goes over the whole group: two dimensions across hosts, and 3-D
+    (4, 1, "-mode r:2x2"), (8, 2, "-mode r:2x2x2"),
+], ids=["2x1", "2x2", "2x2-across", "3d"])
+def test_core_calls_that_differ_across_hosts_raise_on_every_rank(n, per, mode):
     """A core call carries a key across hosts (engines/identity_round.py): a float32 and an
     int32 allreduce of one size used to pair silently (garbage), two sizes aborted the
     process inside Gloo. Each case must raise on every rank, and the job go on."""
-    reps = reports(run_worker("cross_host_mismatch.py", n, env={"DDL_TIMEOUT": "20"},
+    env = {"DDL_TIMEOUT": "20", **({"DDL_OPTIONS": mode} if mode else {})}
+    reps = reports(run_worker("cross_host_mismatch.py", n, env=env,
                               per_rank_env=hosts_env(n, per)))
     cases = ("dtype", "numel", "op", "numel_large", "dtype_large", "kind", "root", "rows",
              "reduce_scatter")

@@ -57,17 +57,14 @@ class DimsEngine:
         self.size = size
         self.rank = rank
         self._failed: BaseException | None = None
-        # Call identities ride on each call's first message (engines/identity_round.py)
-        # where the grid is one dimension across hosts after at most one inside them;
-        # other grids offer no fold, and negotiate exchanges identities on their own.
+        # Call identities ride on each call's first message (engines/identity_round.py):
+        # along this rank's line where the grid is one dimension across hosts after at
+        # most one inside them; on any other grid (3-D, or two across hosts) every rank's
+        # message goes to every rank over the engine's own group, dearer but as safe.
         self.armed: Fold | None = None
         self._core_folds: dict[tuple, Fold] = {}
-        found = identity_round.supports(multidim.dims, size)
-        if found is None:
-            self.fold_identity = self.exchange_identity = None
-            self._round = None
-        else:
-            self._round = identity_round.IdentityRound(*found, size, rank)
+        found = identity_round.supports(multidim.dims, size) or (None, group)
+        self._round = identity_round.IdentityRound(*found, size, rank)
 
     def _guard(self, fn: Callable, *args):
         """A peer lost across hosts leaves the groups unusable: fail every later call at
@@ -144,7 +141,7 @@ class DimsEngine:
                 self._guard(self._round.allreduce, fold, src, dst, dt, op)
                 return
             self._settle()
-        elif self._round is not None:
+        else:
             what = lambda: f"allreduce({dt.name}[{src.size}], {op.name})"  # noqa: E731
             words = (ALLREDUCE, int(op), dt.code, src.size, shape_hash(shape))
             if small:
@@ -163,7 +160,7 @@ class DimsEngine:
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
         if self.armed is not None:
             self._settle()
-        elif self._round is not None:
+        else:
             self._core((REDUCE_SCATTER, int(op), dt.code, src.size, shape_hash(shape)),
                        lambda: f"reduce_scatter({dt.name}[{src.size}], {op.name})")
         work = src.copy()
@@ -174,7 +171,7 @@ class DimsEngine:
     def allgather(self, src, dt: DType, row_shape, alloc: Callable[[list[int]], np.ndarray]):
         if self.armed is not None:
             self._settle()
-        elif self._round is not None:  # (first dimensions may differ)
+        else:  # (first dimensions may differ)
             self._core((ALLGATHER, dt.code, shape_hash(tuple(row_shape))),
                        lambda: f"allgather({dt.name} rows of {tuple(row_shape)})")
         return self._guard(self._allgather, src, dt, alloc)
@@ -201,7 +198,7 @@ class DimsEngine:
     def broadcast(self, buf, dt: DType, root: int, shape) -> None:
         if self.armed is not None:
             self._settle()
-        elif self._round is not None:
+        else:
             self._core((BROADCAST, dt.code, buf.size, shape_hash(shape), root),
                        lambda: f"broadcast({dt.name}[{buf.size}], root {root})")
         self._guard(self.world_group.broadcast, buf, dt, root)
@@ -209,7 +206,7 @@ class DimsEngine:
     def barrier(self) -> None:
         if self.armed is not None:
             self._settle()
-        elif self._round is not None:
+        else:
             self._core((BARRIER,), lambda: "barrier")
         self._guard(self.world_group.barrier)
 
