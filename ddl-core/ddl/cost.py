@@ -146,6 +146,26 @@ def pipeline_time(dims: list[tuple[str, int, Link]], nbytes: float, chunk_bytes:
     return max(done[0])
 
 
+def identity_round_time(dims: list[tuple[str, int, Link]]) -> float:
+    """What a call on the multi-host engine pays before its data crosses a host: the identity
+    round (engines/identity_round.py), one fixed-size row per rank gathered along the line
+    after one shared-memory step inside the host, or on any other grid gathered from every
+    rank. Nothing on one host (the shared-memory engine checks its ranks itself)."""
+    from .engines.identity_round import ROW_BYTES
+
+    dims = [d for d in dims if d[1] > 1]
+    if all(alg == "shm" for alg, _, _ in dims):
+        return 0.0
+    if len(dims) <= 2 and all(alg == "shm" for alg, _, _ in dims[:-1]):
+        host = dims[0][2].alpha if len(dims) == 2 else 0.0
+        _, n, link = dims[-1]
+    else:
+        host = 0.0
+        n = math.prod(size for _, size, _ in dims)
+        link = max((lk for _, _, lk in dims), key=lambda lk: (lk.beta, lk.alpha))
+    return host + (n - 1) * (link.alpha + ROW_BYTES * link.beta)
+
+
 # --------------------------------------------------------------------------- profiles
 # A cost profile is what ``ddl-perf calibrate`` measured on a cluster: one fitted Link per
 # grid dimension and engine. ``DDL_COST_PROFILE=path`` makes mode ``b`` and ``ddl-perf

@@ -105,6 +105,27 @@ def _profile_doc():
         "measured": []}
 
 
+def test_the_identity_round_is_priced_where_a_call_crosses_hosts():
+    """ddl's call across hosts checks its identity first (engines/identity_round.py): one
+    shared-memory step, then one fixed-size row per rank along the line; on any other grid
+    rows from every rank over the slowest link; one host pays nothing."""
+    from ddl.engines.identity_round import ROW_BYTES
+
+    shm, net = cost.Link(alpha=1e-4, beta=1e-10), cost.Link(alpha=1e-3, beta=1e-8)
+    assert cost.identity_round_time([("shm", 4, shm)]) == 0.0
+    assert cost.identity_round_time([("shm", 2, shm), ("ring", 3, net)]) == pytest.approx(
+        1e-4 + 2 * (1e-3 + ROW_BYTES * 1e-8))
+    assert cost.identity_round_time([("ring", 1, shm), ("ring", 2, net)]) == pytest.approx(
+        1e-3 + ROW_BYTES * 1e-8)
+    three = [("shm", 2, shm), ("ring", 2, net), ("ring", 2, net)]
+    assert cost.identity_round_time(three) == pytest.approx(7 * (1e-3 + ROW_BYTES * 1e-8))
+    links = [("shm", shm), ("net", net)]
+    row = simulate.allreduce_row([2, 3], links, 1 << 20, 1 << 18)
+    dims = simulate.plan_dims([2, 3], links, 1 << 20)
+    assert row["pipelined_s"] == pytest.approx(cost.pipeline_time(dims, 1 << 20, 1 << 18)
+                                               + cost.identity_round_time(dims))
+
+
 def test_profile_round_trip_and_env_lookup(tmp_path, monkeypatch):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(_profile_doc()))

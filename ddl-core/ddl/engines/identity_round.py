@@ -46,7 +46,7 @@ from .shm_meta import MAX_IDENT, Fold, Unfolded
 
 FOLD_BYTES = 8192  # an allreduce up to this size rides on the round
 _HEAD = 2 + MAX_IDENT + 1  # status, length, the descriptor; even, so rows stay 16-aligned
-_ROW = _HEAD * 8 + FOLD_BYTES
+_ROW = ROW_BYTES = _HEAD * 8 + FOLD_BYTES  # what each rank sends (cost.identity_round_time)
 # statuses: the host reduced its data (DATA) or only settled its identities (IDENT), both
 # folded; the host's identities call for the error path (UNFOLDED); this rank exchanged its
 # identity alone (ALONE); the host's ranks ran different collectives (MISMATCH)

@@ -62,10 +62,11 @@ def allreduce_row(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: 
     world = math.prod(sizes)
     dims = plan_dims(sizes, links, nbytes)
     slowest = max((link for _, link in links), key=lambda lk: (lk.beta, lk.alpha))
+    check = cost.identity_round_time(dims)  # ddl's call checks its identity; a flat ring not
     return {"bytes": int(nbytes), "ranks": world,
             "flat_s": cost.allreduce_time("ring", world, nbytes, slowest),
-            "multidim_s": cost.multidim_time(dims, nbytes),
-            "pipelined_s": cost.pipeline_time(dims, nbytes, chunk_bytes),
+            "multidim_s": cost.multidim_time(dims, nbytes) + check,
+            "pipelined_s": cost.pipeline_time(dims, nbytes, chunk_bytes) + check,
             "algorithms": [a for a, n, _ in dims if n > 1]}
 
 
