@@ -71,7 +71,8 @@ def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1
     chunk = config.get("DDL_CHUNK_BYTES")
     rows = []
     for r in measured:
-        pred = simulate.allreduce_row([per, nhosts], links, r["bytes"], chunk)
+        pred = simulate.allreduce_row([per, nhosts], links, r["bytes"], chunk,
+                                      profile.call_overhead_s)
         rows.append({"bytes": r["bytes"], "measured_s": r["median"],
                      "predicted_s": pred["pipelined_s"], "algorithms": pred["algorithms"],
                      "error": pred["pipelined_s"] / r["median"] - 1, "correct": r["correct"]})

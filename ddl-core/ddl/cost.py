@@ -188,6 +188,10 @@ class Profile:
     machine: str
     dims: tuple[DimProfile, ...]
     measured: tuple[dict, ...] = ()
+    # what a whole call took beyond its dimensions' fitted costs and its identity round,
+    # when the dimensions run together (threads and processes handing each chunk on):
+    # measured by calibrate on calls of one chunk, added once per call by the simulator
+    call_overhead_s: float = 0.0
 
     def link(self, index: int | None, engine: str) -> Link | None:
         """The link measured for this dimension and engine; else (or with ``index`` None: a
@@ -206,6 +210,7 @@ class Profile:
                           "algorithm": d.algorithm, "alpha_s": d.link.alpha,
                           "beta_s_per_byte": d.link.beta,
                           "gamma_s_per_byte": d.link.gamma} for d in self.dims],
+                "call_overhead_s": self.call_overhead_s,
                 "measured": list(self.measured)}
 
 
@@ -235,7 +240,14 @@ def profile_from_json(doc: object, where: str) -> Profile:
         if min(alpha, beta, gamma) < 0 or not all(map(math.isfinite, (alpha, beta, gamma))):
             raise bad(f"dims[{k}]: alpha, beta and gamma must be finite and >= 0")
         dims.append(dim)
-    return Profile(str(doc.get("machine", "")), tuple(dims), tuple(doc.get("measured", ())))
+    try:
+        overhead = float(doc.get("call_overhead_s", 0.0))
+    except (TypeError, ValueError):
+        overhead = math.nan
+    if not (math.isfinite(overhead) and overhead >= 0):
+        raise bad("\"call_overhead_s\" must be a finite number >= 0")
+    return Profile(str(doc.get("machine", "")), tuple(dims), tuple(doc.get("measured", ())),
+                   overhead)
 
 
 def load_profile(path: str) -> Profile:

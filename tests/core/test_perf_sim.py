@@ -126,6 +126,45 @@ def test_the_identity_round_is_priced_where_a_call_crosses_hosts():
                                                + cost.identity_round_time(dims))
 
 
+def test_calibrate_finds_the_per_call_overhead_and_simulate_adds_it(tmp_path, capsys):
+    """Whole calls timed by calibrate, less the model's price for them on the fitted links
+    (pipeline and identity round): the median is the profile's call_overhead_s, never below
+    0; simulate adds it to ddl's calls on the grid it was measured on, and only there."""
+    prof = cost.profile_from_json(_profile_doc(), "doc")
+    dims = [(d.algorithm, d.size, d.link) for d in prof.dims]
+
+    class Engine:
+        class multidim:
+            chunk_bytes = 8 << 20
+
+    def whole(extra):
+        return [{"dim": "call", "bytes": b, "seconds": cost.pipeline_time(dims, b, 8 << 20)
+                 + cost.identity_round_time(dims) + e} for b, e in zip([16384, 65536, 262144],
+                                                                        extra, strict=True)]
+
+    got = calibrate.with_call_overhead(prof, whole([3e-3, 5e-3, 40e-3]), Engine)
+    assert got.call_overhead_s == pytest.approx(5e-3)  # the median: one slow call moves nothing
+    assert "per call beyond the dimensions and the identity round: 5000 us (whole calls of "\
+        "16-256 KiB)" in calibrate.format_profile(got)
+    assert calibrate.with_call_overhead(prof, whole([-1e-4] * 3), Engine).call_overhead_s == 0
+    path = tmp_path / "p.json"
+    cost.save_profile(got, str(path))
+    assert cost.load_profile(str(path)) == got
+    for grid, added in (("2x2", 5.0), ("2x4", 0.0)):
+        assert main(["simulate", "--profile", str(path), "--grid", grid, "--sizes", "1M",
+                     "--json", str(tmp_path / "r.json")]) == 0
+        row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+        sizes = [int(x) for x in grid.split("x")]
+        links = simulate.links_from_profile(got, 2)
+        bare = simulate.allreduce_row(sizes, links, 1 << 20, config.get("DDL_CHUNK_BYTES"))
+        assert (row["pipelined_s"] - bare["pipelined_s"]) * 1e3 == pytest.approx(added)
+    capsys.readouterr()
+    doc = got.to_json()
+    doc["call_overhead_s"] = -1
+    with pytest.raises(DDLConfigError, match="call_overhead_s"):
+        cost.profile_from_json(doc, "doc")
+
+
 def test_profile_round_trip_and_env_lookup(tmp_path, monkeypatch):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(_profile_doc()))

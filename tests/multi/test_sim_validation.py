@@ -38,15 +38,16 @@ def cluster(tmp_path_factory):
 
 def _misses(rows: list[dict]) -> list[str]:
     """What is outside the bounds: the issue's 25% where the model's link terms dominate (4
-    and 16 MiB); at 1 MiB, one pipeline chunk, a per-call floor the model does not price
-    (hand-offs between the dimensions' threads and processes, each waiting for one of 2
-    cores, and the identity round's two meetings of the ranks, which cost this machine
-    several ms against the model's 1.1 ms) weighs most: -5% to -47% in the runs of
-    docs/performance.md. That bound says how far it may miss, without a fudge factor."""
+    and 16 MiB). At 1 MiB, one pipeline chunk, the call is mostly its per-call cost, which
+    calibrate measures on whole calls of 16-256 KiB (``call_overhead_s``: the hand-offs
+    between the dimensions' threads and processes, each waiting for one of 2 cores, and the
+    identity round's meetings of the ranks) and which moves by a factor of 2-3 from minute to
+    minute on this machine: -30% to +18% in the runs of docs/performance.md since calibrate
+    measures it. That bound says how far it may miss, without a fudge factor."""
     by_size = {r["bytes"]: r for r in rows}
     out = [f"{s >> 20} MiB: {by_size[s]['error']:+.1%}" for s in (4 << 20, 16 << 20)
            if abs(by_size[s]["error"]) > 0.25]
-    if not -0.55 <= by_size[1 << 20]["error"] <= 0.25:
+    if abs(by_size[1 << 20]["error"]) > 0.45:
         out.append(f"1 MiB: {by_size[1 << 20]['error']:+.1%}")
     return out
 

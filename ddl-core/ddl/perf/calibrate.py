@@ -251,14 +251,51 @@ def calibrate_main(args: argparse.Namespace) -> int:
             rows += [{"dim": target.index, "engine": target.engine, "size": target.size,
                       "algorithm": target.algorithm, "bytes": b, "seconds": float(t)}
                      for (b, _), t in zip(local, worst, strict=True)]
+        whole = _whole_calls(api.job_engine(), sizes, args)
         if ddl.rank() == 0:
             profile = fit_profile(rows, socket.gethostname())
+            if whole:
+                profile = with_call_overhead(profile, whole, api.job_engine())
             cost.save_profile(profile, args.output)
             print(format_profile(profile))
             print(f"# wrote {args.output}; use it with DDL_COST_PROFILE={args.output}")
         return 0
     finally:
         ddl.shutdown()
+
+
+def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    """The job's whole allreduce (``ddl.allreduce_``, its identity round and every dimension
+    at once) at the sizes of one pipeline chunk that do not ride on the round, under 1 MiB:
+    rows for ``with_call_overhead``. None on one host, where the engine is one dimension."""
+    import ddl
+
+    from ..engines.identity_round import FOLD_BYTES
+
+    multidim = getattr(engine, "multidim", None)
+    if multidim is None:
+        return []
+    picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20) and s <= multidim.chunk_bytes]
+    if not picked:
+        return []
+    call = Target(-1, "call", engine.size, "multidim", lambda buf: ddl.allreduce_(buf, ddl.Sum))
+    local = measure(call, picked, args.iters, ddl.barrier, _slowest,
+                    min_seconds=args.min_seconds)
+    worst = ddl.allreduce(np.array([t for _, t in local]), op=ddl.Max)
+    return [{"dim": "call", "bytes": b, "seconds": float(t)}
+            for (b, _), t in zip(local, worst, strict=True)]
+
+
+def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost.Profile:
+    """``profile`` with ``call_overhead_s``: the median over ``whole`` of what each call
+    took beyond the model's price for it on the fitted links (its dimensions' pipeline and
+    its identity round), never below 0. Pure but for the engine's chunk size."""
+    dims = [(d.algorithm, d.size, d.link) for d in sorted(profile.dims, key=lambda d: d.index)]
+    chunk = engine.multidim.chunk_bytes
+    left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk)
+            - cost.identity_round_time(dims) for r in whole]
+    return dataclasses.replace(profile, call_overhead_s=max(0.0, float(np.median(left))),
+                               measured=tuple(profile.measured) + tuple(whole))
 
 
 def format_profile(profile: cost.Profile) -> str:
@@ -273,4 +310,9 @@ def format_profile(profile: cost.Profile) -> str:
         bw = 1 / d.link.beta / 1e9 if d.link.beta else float("inf")
         lines.append(f"  {d.index:>3} {d.engine:>6} {d.size:>4} {d.algorithm:>6} "
                      f"{d.link.alpha * 1e6:>9.2f} {bw:>13.3f} {err:>12.1%}")
+    calls = sorted(r["bytes"] for r in profile.measured if r.get("dim") == "call")
+    if calls:
+        lines.append(f"# per call beyond the dimensions and the identity round: "
+                     f"{profile.call_overhead_s * 1e6:.0f} us (whole calls of "
+                     f"{calls[0] >> 10}-{calls[-1] >> 10} KiB)")
     return "\n".join(lines)

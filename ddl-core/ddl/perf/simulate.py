@@ -58,11 +58,14 @@ def plan_dims(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: floa
 
 
 def allreduce_row(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: float,
-                  chunk_bytes: int) -> dict:
+                  chunk_bytes: int, call_overhead: float = 0.0) -> dict:
+    """One size: a flat ring on the slowest link against ddl's multi-dimensional call, which
+    also pays its identity round and ``call_overhead`` (a profile's measured per-call cost
+    beyond its dimensions, ``Profile.call_overhead_s``)."""
     world = math.prod(sizes)
     dims = plan_dims(sizes, links, nbytes)
     slowest = max((link for _, link in links), key=lambda lk: (lk.beta, lk.alpha))
-    check = cost.identity_round_time(dims)  # ddl's call checks its identity; a flat ring not
+    check = cost.identity_round_time(dims) + call_overhead  # ddl's call, not a flat ring
     return {"bytes": int(nbytes), "ranks": world,
             "flat_s": cost.allreduce_time("ring", world, nbytes, slowest),
             "multidim_s": cost.multidim_time(dims, nbytes) + check,
@@ -227,8 +230,12 @@ def _allreduce(args: argparse.Namespace) -> int:
 
     sizes = [int(d) for d in args.grid.split("x")]
     profile = (cost.load_profile(args.profile) if args.profile else cost.env_profile())
+    overhead = 0.0
     if profile is not None:
         links = links_from_profile(profile, len(sizes))
+        # measured on the profile's own grid; another grid's hand-offs are not known
+        if sizes == [d.size for d in sorted(profile.dims, key=lambda d: d.index)]:
+            overhead = profile.call_overhead_s
         source = f"profile {args.profile or config.get('DDL_COST_PROFILE')} ({profile.machine})"
     else:
         links = links_from_spec(args.links)
@@ -236,7 +243,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         links = links[: len(sizes)]
         source = "--links"
     chunk = args.chunk_bytes or config.get("DDL_CHUNK_BYTES")
-    rows = [allreduce_row(sizes, links, n, chunk) for n in _sizes(args.sizes)]
+    rows = [allreduce_row(sizes, links, n, chunk, overhead) for n in _sizes(args.sizes)]
     print(f"# ddl-perf simulate: grid {args.grid} = {math.prod(sizes)} ranks; alpha-beta "
           f"model (ddl/cost.py), links from {source}, {chunk >> 10} KiB chunks")
     print(f"# {'size':>10} {'flat ring':>12} {'multi-dim':>12} {'pipelined':>12} {'gain':>6}"
