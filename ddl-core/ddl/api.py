@@ -22,7 +22,7 @@ import numpy as np
 from . import config, grid, identity, options, tensors, timeline
 from .devices import DeviceRouter
 from .engines.local import LocalEngine
-from .errors import DDLConfigError, DDLError
+from .errors import DDLConfigError, DDLError, DDLMismatchError
 from .groups import Group, GroupMaker, check_ranks
 from .ops import Average, ReduceOp, check_op, parse_op  # noqa: F401 - Average: SPELLINGS
 from .runtime import Handle, Runtime
@@ -565,12 +565,49 @@ def plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], 
     return job
 
 
+def _planned(make: Callable[[], Callable[[], Any]], tensor: Any, name: str,
+             group: Group | None) -> Callable[[], Any]:
+    """``make()``'s plan. When planning refuses the call on this rank (an op the dtype does
+    not allow, an ``out`` of the wrong size, a root outside the group...), the refusal still
+    takes the call's place among the peers' collectives before it is raised: the engine's
+    ``refuse`` step, whose record no collective has, queued behind this rank's earlier
+    work. Peers that ran the call then raise ``DDLMismatchError`` instead of pairing with this rank's next
+    call (which gave every later call the wrong partner, silently); peers that refused too
+    meet the step and raise their own error. Device-routed calls (NCCL) have no such step."""
+    try:
+        return make()
+    except DDLError as exc:
+        _refuse_collectively(exc, tensor, name, group)
+        raise
+
+
+def _refuse_collectively(exc: DDLError, tensor: Any, name: str, group: Group | None) -> None:
+    if _session is None:
+        return  # not initialized: there are no peers yet
+    try:
+        engine, rank, size = _target(group)
+        first = tensor[0] if isinstance(tensor, (list, tuple)) and tensor else tensor
+        routed = _routed(first, group) is not None
+    except Exception:  # noqa: BLE001 - a released group, an unroutable object: no step
+        return
+    refuse = getattr(engine, "refuse", None)
+    if refuse is None or size < 2 or routed:
+        return
+    try:
+        dispatch(refuse, name, False, group)
+    except DDLMismatchError:
+        exc.add_note(f"rank {rank}: the other ranks ran {name} and were told (each raises "
+                     "DDLMismatchError)")
+    except DDLError as other:
+        exc.add_note(f"rank {rank}: telling the other ranks failed too: {other}")
+
+
 # ------------------------------------------------------------------ the spellings
 # Every public spelling of a collective, one row each: its name, its arguments before
 # ``name``/``group``, the plan it queues, whether it returns a Handle at once, its doc
 # (None: "queued"). ``x_`` works in place. The functions are generated from the rows (as
-# dataclasses generates methods): each is exactly ``dispatch(plan, name or its name, async,
-# group)`` with the signature written here, no layer between it and its plan.
+# dataclasses generates methods): each is exactly ``dispatch(_planned(plan...), name or its
+# name, async, group)`` with the signature written here.
 _OP = "op: ReduceOp | str = Average"
 SPELLINGS: tuple[tuple[str, str, str, bool, str | None], ...] = (
     ("allreduce", f"tensor, {_OP}, *, out=None", "plan_allreduce(tensor, op, out, False, group)",
@@ -614,7 +651,8 @@ def _generate(rows: tuple[tuple[str, str, str, bool, str | None], ...]) -> None:
         ret = "Handle" if async_ else "Any"
         src = (f"def {label}({args}, name: str | None = None, group: Group | None = None"
                f") -> {ret}:\n"
-               f"    return dispatch({plan}, name or {label!r}, {async_}, group)\n")
+               f"    return dispatch(_planned(lambda: {plan}, {args.split(',')[0]}, "
+               f"name or {label!r}, group), name or {label!r}, {async_}, group)\n")
         exec(src, globals())  # noqa: S102 - our own rows, as dataclasses does
         globals()[label].__doc__ = doc if doc is not None else (
             f"``{label.replace('_async', '')}``, queued: returns a Handle at once "

@@ -51,6 +51,7 @@ _ROW = ROW_BYTES = _HEAD * 8 + FOLD_BYTES  # what each rank sends (cost.identity
 # folded; the host's identities call for the error path (UNFOLDED); this rank exchanged its
 # identity alone (ALONE); the host's ranks ran different collectives (MISMATCH)
 DATA, IDENT, UNFOLDED, ALONE, MISMATCH = 1, 2, 3, 4, 5
+REFUSED_KEY = 1 << 41  # a refused call's key: no identity or core key (1 << 40) is equal
 
 
 class IdentityRound:
@@ -123,6 +124,19 @@ class IdentityRound:
         status, host, failure = self._local_alone(desc.copy(), ALONE)
         desc[:] = self._exchange(status, host, failure)
         return desc
+
+    def refuse(self) -> None:
+        """This rank refused the call its peers make now (``api._planned``): the host's step
+        of refusal, then the line's round with a key no call has. Raises
+        ``DDLMismatchError`` on every rank unless every rank refused."""
+        failure = None
+        if self.local is not None:
+            try:
+                self.local.refuse()
+            except DDLMismatchError as exc:
+                failure = exc
+        self._exchange(MISMATCH if failure else ALONE, np.array([REFUSED_KEY], np.int64),
+                       failure)
 
     # ------------------------------------------------------------------ the parts
     def _local_alone(self, desc: np.ndarray, status: int):

@@ -99,6 +99,10 @@ class DimsEngine:
         fold, self.armed = self.armed, None
         self._guard(self._round.settle, fold)
 
+    def refuse(self) -> None:
+        """Take the place of a call this rank refused (``ShmEngine.refuse``), across hosts."""
+        self._guard(self._round.refuse)
+
     # --------------------------------------------------------- core calls' keys
     def _core(self, words: tuple, what: Callable[[], str], fn: Callable | None = None,
               *args) -> None:

@@ -71,6 +71,7 @@ from .shm_meta import (
     M_IN,
     M_OUT,
     REDUCE_SCATTER,
+    REFUSED,
     SPAN_BCAST,
     SPAN_GATHER,
     SPAN_KEY,
@@ -514,6 +515,17 @@ class ShmEngine:
         s = self._step.seq + 1
         self._first_step(s, MetaKey(coll_key(BARRIER), 0, 0, ()), SPAN_KEY,
                          ("barrier", "-", 0, None))
+
+    def refuse(self) -> None:
+        """Take the place of a call this rank refused before its data moved (``api._planned``):
+        a step whose record no collective has, so that peers running the call raise
+        ``DDLMismatchError`` and peers that refused it too pass."""
+        self._run(self._refuse)
+
+    def _refuse(self) -> None:
+        s = self._step.seq + 1
+        self._first_step(s, MetaKey(coll_key(REFUSED), 0, 0, ()), SPAN_KEY,
+                         ("a refused call", "-", 0, None))
 
     def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
                   op: ReduceOp, shape: tuple[int, ...]) -> None:

@@ -41,9 +41,9 @@ SPAN_REDUCE = ((M_KEY, M_SHAPE + 1),)  # op, dtype, count, shape
 SPAN_GATHER = ((M_KEY, M_DTYPE + 1), (M_SHAPE, M_SHAPE + 1))  # counts may differ
 SPAN_BCAST = ((M_KEY, M_ROOT + 1),)
 
-BARRIER, ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, IDENTITY = 1, 2, 3, 4, 5, 6
+BARRIER, ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, IDENTITY, REFUSED = 1, 2, 3, 4, 5, 6, 7
 COLL_NAMES = {1: "barrier", 2: "allreduce", 3: "allgather", 4: "broadcast", 5: "reduce_scatter",
-              6: "identity exchange"}
+              6: "identity exchange", 7: "a call it refused"}
 
 
 def coll_key(coll: int, op: int = 0) -> int:
@@ -129,7 +129,12 @@ class Records:
 
     def report(self, p: int, what: tuple) -> str:
         q = self._q
-        if len({q[b + W_META[p] + M_KEY] >> IDENT_SHIFT for b in self._blk}) > 1:
+        keys = [q[b + W_META[p] + M_KEY] for b in self._blk]
+        if coll_key(REFUSED) in keys:
+            return (f"{self._me}: some ranks refused {what[0]} before its data moved (each "
+                    "raises its own error, which says why); the others raise this:\n"
+                    + self.lines(p))
+        if len({k >> IDENT_SHIFT for k in keys}) > 1:
             return self.mixed_report(p)
         return (
             f"{self._me}: ranks called {what[0]} with different arguments "
