@@ -571,9 +571,10 @@ def _planned(make: Callable[[], Callable[[], Any]], tensor: Any, name: str,
     not allow, an ``out`` of the wrong size, a root outside the group...), the refusal still
     takes the call's place among the peers' collectives before it is raised: the engine's
     ``refuse`` step, whose record no collective has, queued behind this rank's earlier
-    work. Peers that ran the call then raise ``DDLMismatchError`` instead of pairing with this rank's next
-    call (which gave every later call the wrong partner, silently); peers that refused too
-    meet the step and raise their own error. Device-routed calls (NCCL) have no such step."""
+    work. Peers that ran the call then raise ``DDLMismatchError`` instead of pairing with
+    this rank's next call (which gave every later call the wrong partner, silently); peers
+    that refused too meet the step and raise their own error. Device-routed calls (NCCL)
+    have no such step."""
     try:
         return make()
     except DDLError as exc:

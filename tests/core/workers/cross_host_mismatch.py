@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+from outcome import record
 
 import ddl
 
@@ -28,14 +29,7 @@ CASES = {
 }
 out = {"rank": R}
 for name, call in CASES.items():
-    try:
-        call()
-        out[name] = "no error"
-    except ddl.DDLMismatchError as exc:
-        out[name] = "DDLMismatchError"
-        out[f"{name}_msg"] = str(exc)[:300]
-    except Exception as exc:  # noqa: BLE001 - reported
-        out[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    record(out, name, call)
     after = ddl.allreduce(np.full(1000, R + 1.0, np.float32), S)
     out[f"{name}_after"] = bool(np.all(after == N * (N + 1) / 2))
 print(json.dumps(out), flush=True)

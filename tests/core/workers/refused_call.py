@@ -7,6 +7,7 @@ was the wrong partner's). Prints one JSON line."""
 import json
 
 import numpy as np
+from outcome import record
 
 import ddl
 
@@ -30,15 +31,7 @@ CASES = {
 out = {"rank": R}
 for name, call in CASES.items():
     before = ddl.allreduce_async(np.full(8, R + 1.0, np.float32), ddl.Sum)  # queued first
-    try:
-        call()
-        out[name] = "no error"
-    except ddl.DDLMismatchError as exc:
-        out[name] = "DDLMismatchError"
-        out[f"{name}_msg"] = str(exc)[:300]
-    except ddl.DDLError as exc:
-        out[name] = type(exc).__name__
-        out[f"{name}_msg"] = str(exc)[:300]
+    record(out, name, call)
     after = [ddl.allreduce(np.full(16, float(i + R), np.float32), ddl.Sum) for i in range(3)]
     want = [i * N + N * (N - 1) / 2 for i in range(3)]
     out[f"{name}_after"] = (bool(np.all(before.wait() == N * (N + 1) / 2))
