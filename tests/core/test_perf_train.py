@@ -194,6 +194,83 @@ def test_busbw_series_labels_engines_and_rank_counts():
     assert plot.busbw_series(docs[:1], in_place=True)["ddl"] == [(16, 0.1), (64, 0.5)]
 
 
+def _profile_doc() -> dict:
+    """A calibrate profile: two dimensions, their measured rows, and whole calls."""
+    from ddl import cost
+
+    shm, net = cost.Link(2e-4, 1 / 3e9), cost.Link(1e-3, 1 / 6e7)
+    measured = [{"dim": d, "engine": e, "size": 2, "algorithm": a, "bytes": b,
+                 "seconds": cost.allreduce_time(a, 2, b, lk) * f}
+                for d, e, a, lk in ((0, "shm", "shm", shm), (1, "gloo", "native", net))
+                for b, f in ((16384, 1.1), (1 << 20, 0.9))]
+    measured += [{"dim": "call", "bytes": b, "seconds": 0.01} for b in (16384, 65536)]
+    return {"version": 1, "machine": "m", "call_overhead_s": 0.004, "measured": measured,
+            "dims": [{"index": i, "engine": e, "size": 2, "algorithm": a, "alpha_s": lk.alpha,
+                      "beta_s_per_byte": lk.beta}
+                     for i, (e, a, lk) in enumerate((("shm", "shm", shm),
+                                                     ("gloo", "native", net)))]}
+
+
+def test_predictions_are_drawn_against_measurements():
+    """simulate --json against allreduce --json rows; a calibrate profile's fit against its
+    own measured rows (the plot kinds 'simulate' and 'profile')."""
+    from ddl import cost
+    from ddl.perf import simulate
+
+    links = [("shm", cost.SHARED_MEMORY), ("net", cost.NETWORK)]
+    rows = [simulate.allreduce_row([2, 2], links, b, 8 << 20) for b in (4096, 1 << 20)]
+    sim = {"tool": "ddl-perf", "kind": "simulate", "grid": [2, 2], "rows": rows}
+    assert plot.kind_of(sim) == plot.SIMULATE
+    got = plot.predicted_times(sim)
+    assert got["predicted: ddl, grid 2x2"] == [(4096, rows[0]["pipelined_s"]),
+                                               (1 << 20, rows[1]["pipelined_s"])]
+    assert got["predicted: flat ring, 4 ranks"][1] == (1 << 20, rows[1]["flat_s"])
+
+    def row(size, us):
+        part = {"time": us, "alg_bw": 1.0, "bus_bw": 1.0, "nwrong": 0}
+        return {"engine": "ddl", "ranks": 4, "size": size, "experiment_name": "allreduce",
+                "out_of_place": part, "in_place": dict(part, time=us / 2)}
+
+    coll = {"tool": "ddl-perf", "collective": "allreduce",
+            "results": [row(1 << 20, 3000.0), row(4096, 500.0)]}
+    assert plot.measured_times([coll]) == {"measured: ddl (4 ranks)": [(4096, 5e-4),
+                                                                      (1 << 20, 3e-3)]}
+    assert plot.measured_times([coll], in_place=True)["measured: ddl (4 ranks)"][0][1] == 2.5e-4
+
+    doc = _profile_doc()
+    assert plot.kind_of(doc) == plot.PROFILE
+    series = plot.profile_series(doc)
+    assert [label for label, _, _ in series] == ["dim 0 (shm, 2 ranks)", "dim 1 (gloo, 2 ranks)",
+                                                 "whole call"]
+    label, got_pts, model = series[1]
+    assert [b for b, _ in got_pts] == [16384, 1 << 20]
+    assert [m / g for (_, g), (_, m) in zip(got_pts, model)] == pytest.approx([1 / 1.1, 1 / 0.9])
+    assert all(m > 0.004 for _, m in series[2][2])  # the whole call's model has the overhead
+    with pytest.raises(plot.PlotError, match="call_overhead_s"):
+        plot.profile_series(dict(doc, call_overhead_s="x"))
+
+
+@needs_mpl
+def test_plot_draws_predictions_and_a_profile(tmp_path):
+    from ddl import cost
+    from ddl.perf import simulate
+
+    rows = [simulate.allreduce_row([2, 2], [("shm", cost.SHARED_MEMORY), ("net", cost.NETWORK)],
+                                   b, 8 << 20) for b in (4096, 1 << 20)]
+    (tmp_path / "sim.json").write_text(json.dumps(
+        {"tool": "ddl-perf", "kind": "simulate", "grid": [2, 2], "rows": rows}))
+    (tmp_path / "prof.json").write_text(json.dumps(_profile_doc()))
+    plot.render([plot.load(str(tmp_path / n)) for n in ("sim.json", "prof.json")],
+                str(tmp_path / "p.svg"))
+    svg = (tmp_path / "p.svg").read_text()
+    assert "predicted (lines) vs measured (points)" in svg
+    assert "fitted model (lines) vs measured (points)" in svg
+    empty = dict(_profile_doc(), measured=[])
+    (tmp_path / "empty.json").write_text(json.dumps(empty))
+    with pytest.raises(plot.PlotError, match="no measured rows"):
+        plot.render([plot.load(str(tmp_path / "empty.json"))], str(tmp_path / "e.png"))
+
+
 @pytest.mark.skipif(HAVE_MPL, reason="matplotlib is installed: its absence cannot be seen")
 def test_without_matplotlib_plot_says_so_in_one_line():
     with pytest.raises(plot.PlotError, match="needs matplotlib"):

@@ -163,7 +163,7 @@ def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], N
     slowest rank's first call (``agree``: the max over ranks), so every rank makes as many."""
     out = []
     for nbytes in sizes:
-        buf = np.ones(max(1, nbytes // 4), np.float32)
+        buf = np.zeros(max(1, nbytes // 4), np.float32)  # summed in place: stays finite
         barrier()
         target.run(buf)  # untimed: first-touch and plan costs
         barrier()

@@ -112,10 +112,13 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds one job may take (default 1800)")
     train.add_train_arguments(s, json_flag=False)
-    pl = sub.add_parser("plot", help="draw allreduce --json (busbw vs size) and scale "
-                                     "--json (throughput vs ranks) results",
+    pl = sub.add_parser("plot", help="draw allreduce --json (busbw vs size), scale --json "
+                                     "(throughput vs ranks), simulate --json against measured "
+                                     "allreduce times, and calibrate profiles (fit vs measured)",
                         description="Each file's kind is read from it: ddl-perf allreduce "
-                                    "& co --json, or ddl-perf scale --json.")
+                                    "& co --json, ddl-perf scale --json, ddl-perf simulate "
+                                    "--grid --json, or a ddl-perf calibrate profile. One "
+                                    "panel per kind.")
     pl.add_argument("results", nargs="+", metavar="RESULTS.json")
     pl.add_argument("-o", "--output", required=True, metavar="OUT.png|OUT.svg")
     pl.add_argument("--in-place", action="store_true",

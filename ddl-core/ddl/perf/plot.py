@@ -1,7 +1,10 @@
 """``ddl-perf plot RESULTS.json... -o OUT.png|.svg``: bus bandwidth against message size,
-one line per engine (log-log), from ``ddl-perf allreduce`` & co ``--json`` files, and
-throughput against ranks with the ideal line from ``ddl-perf scale --json`` files. Which
-kind a file is comes from the file (``kind_of``); both kinds in one call give two panels.
+one line per engine (log-log), from ``ddl-perf allreduce`` & co ``--json`` files;
+throughput against ranks with the ideal line from ``ddl-perf scale --json`` files; the
+simulator's predicted allreduce time against the measured one, from ``ddl-perf simulate
+--json`` with the ``allreduce --json`` files of the same call; and a cost profile's fit
+against what calibrate measured (``ddl-perf calibrate -o`` files). Which kind a file is
+comes from the file (``kind_of``); each kind present gives one panel.
 
 matplotlib is optional: without it ``plot`` and ``scale --plot`` stop with one line that
 names it. Figures are drawn on ``matplotlib.figure.Figure`` (no pyplot, no GUI backend).
@@ -20,7 +23,7 @@ class PlotError(Exception):
     """A file that cannot be drawn, or no matplotlib; the message says which and why."""
 
 
-COLLECTIVE, SCALE = "collective", "scale"
+COLLECTIVE, SCALE, SIMULATE, PROFILE = "collective", "scale", "simulate", "profile"
 
 
 def kind_of(doc: Any) -> str:
@@ -32,11 +35,16 @@ def kind_of(doc: Any) -> str:
             return COLLECTIVE
         if len(items) == 1 and items[0].get("kind") == SCALE:
             return SCALE
+        if len(items) == 1 and items[0].get("kind") == SIMULATE and "rows" in items[0]:
+            return SIMULATE
         if len(items) == 1 and items[0].get("kind") == "train":
             raise PlotError("a single `ddl-perf train --json` result has nothing to draw "
                             "against: plot the output of `ddl-perf scale --json`")
+    if isinstance(doc, dict) and "dims" in doc and "version" in doc:
+        return PROFILE  # ddl-perf calibrate -o (checked in full when drawn)
     raise PlotError("not a ddl-perf result: want the --json of ddl-perf allreduce (or "
-                    "allgather, broadcast, reduce_scatter, alltoall) or of ddl-perf scale")
+                    "allgather, broadcast, reduce_scatter, alltoall), of ddl-perf scale or "
+                    "of ddl-perf simulate --grid, or a ddl-perf calibrate profile")
 
 
 def load(path: str) -> tuple[str, Any]:
@@ -79,6 +87,64 @@ def scale_series(doc: dict) -> tuple[str, list[int], list[float], list[float]]:
     label = f"{doc['model']} via {doc['via']} ({doc['precision']})"
     return (label, [p["ranks"] for p in pts], [p["throughput"] for p in pts],
             [per_rank0 * p["ranks"] for p in pts])
+
+
+def measured_times(docs: Sequence[Any], in_place: bool = False
+                   ) -> dict[str, list[tuple[int, float]]]:
+    """Label -> [(size in bytes, seconds per call)] of the allreduce rows of collective
+    documents, sorted by size: what a prediction is drawn against."""
+    part = "in_place" if in_place else "out_of_place"
+    rows = [r for d in docs for item in (d if isinstance(d, list) else [d])
+            for r in item["results"] if r["experiment_name"] == "allreduce"]
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        label = f"measured: {r['engine']} ({r['ranks']} ranks)"
+        series.setdefault(label, []).append((int(r["size"]), float(r[part]["time"]) * 1e-6))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def predicted_times(doc: dict) -> dict[str, list[tuple[int, float]]]:
+    """Label -> [(size in bytes, seconds)] of a ``simulate --grid --json`` document: ddl's
+    pipelined multi-dimensional allreduce and the flat ring."""
+    grid = "x".join(map(str, doc["grid"]))
+    rows = sorted(doc["rows"], key=lambda r: r["bytes"])
+    ranks = rows[0]["ranks"] if rows else 0
+    return {f"predicted: ddl, grid {grid}": [(r["bytes"], r["pipelined_s"]) for r in rows],
+            f"predicted: flat ring, {ranks} ranks": [(r["bytes"], r["flat_s"]) for r in rows]}
+
+
+def profile_series(doc: dict, where: str = "profile"
+                   ) -> list[tuple[str, list[tuple[int, float]], list[tuple[int, float]]]]:
+    """Per grid dimension of a calibrate profile, and for its whole calls: (label, measured
+    [(bytes, seconds)], the fitted model's [(bytes, seconds)] at the same sizes). The model
+    of a dimension is the formula calibrate fitted (``cost.allreduce_time`` of what was
+    timed); of a whole call, the simulator's (pipeline, identity round, call overhead)."""
+    from .. import config, cost
+    from ..errors import DDLConfigError
+    from .simulate import links_from_profile
+
+    try:
+        prof = cost.profile_from_json(doc, where)
+    except DDLConfigError as exc:
+        raise PlotError(str(exc)) from None
+    out = []
+    for d in sorted(prof.dims, key=lambda d: d.index):
+        got = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
+                     if r.get("dim") == d.index)
+        model = [(b, cost.allreduce_time(d.algorithm, d.size, b, d.link)) for b, _ in got]
+        out.append((f"dim {d.index} ({d.engine}, {d.size} ranks)", got, model))
+    calls = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
+                   if r.get("dim") == "call")
+    if calls:
+        from .simulate import allreduce_row
+
+        sizes = [d.size for d in sorted(prof.dims, key=lambda d: d.index)]
+        links = links_from_profile(prof, len(sizes))
+        chunk = config.get("DDL_CHUNK_BYTES")
+        model = [(b, allreduce_row(sizes, links, b, chunk, prof.call_overhead_s)
+                  ["pipelined_s"]) for b, _ in calls]
+        out.append(("whole call", calls, model))
+    return out
 
 
 def _figure_cls() -> Any:
@@ -125,20 +191,63 @@ def draw_scale(ax: Any, docs: Sequence[dict]) -> None:
     ax.legend()
 
 
+def _time_axes(ax: Any, title: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("time per call (ms)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def draw_prediction(ax: Any, sims: Sequence[dict], coll: Sequence[Any], in_place: bool) -> None:
+    for doc in sims:
+        for label, pts in predicted_times(doc).items():
+            ax.plot([b for b, _ in pts], [t * 1e3 for _, t in pts],
+                    linestyle="--" if "flat ring" in label else "-", label=label)
+    for label, pts in measured_times(coll, in_place).items():
+        ax.plot([b for b, _ in pts], [t * 1e3 for _, t in pts], marker="o", linestyle="none",
+                label=label)
+    _time_axes(ax, "allreduce: predicted (lines) vs measured (points)")
+
+
+def draw_profile(ax: Any, docs: Sequence[dict]) -> None:
+    drawn = 0
+    for doc in docs:
+        for label, got, model in profile_series(doc):
+            if not got:
+                continue
+            line = ax.plot([b for b, _ in model], [t * 1e3 for _, t in model],
+                           label=f"{label}: fit")
+            ax.plot([b for b, _ in got], [t * 1e3 for _, t in got], marker="o",
+                    linestyle="none", color=line[0].get_color(), label=f"{label}: measured")
+            drawn += 1
+    if not drawn:
+        raise PlotError("the profile holds no measured rows to draw (write it with "
+                        "`ddl-perf calibrate -o`)")
+    _time_axes(ax, "calibrate: fitted model (lines) vs measured (points)")
+
+
 def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) -> None:
-    """Draw the loaded (kind, document) pairs into ``out`` (.png or .svg)."""
+    """Draw the loaded (kind, document) pairs into ``out`` (.png or .svg): one panel per
+    kind present. Allreduce files given with a simulate file are also drawn against it."""
     if not out.lower().endswith((".png", ".svg")):
         raise PlotError(f"-o {out}: give a .png or .svg file name")
     Figure = _figure_cls()
-    coll = [d for k, d in loaded if k == COLLECTIVE]
-    scale = [d for k, d in loaded if k == SCALE]
-    panels = [p for p in ((COLLECTIVE, coll), (SCALE, scale)) if p[1]]
+    of = {kind: [d for k, d in loaded if k == kind] for kind in
+          (COLLECTIVE, SCALE, SIMULATE, PROFILE)}
+    panels = [kind for kind, docs in of.items() if docs]
     fig = Figure(figsize=(7 * len(panels), 5), layout="constrained")
-    for ax, (kind, docs) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+    for ax, kind in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         if kind == COLLECTIVE:
-            draw_busbw(ax, docs, in_place)
+            draw_busbw(ax, of[kind], in_place)
+        elif kind == SCALE:
+            draw_scale(ax, of[kind])
+        elif kind == SIMULATE:
+            draw_prediction(ax, of[kind], of[COLLECTIVE], in_place)
         else:
-            draw_scale(ax, docs)
+            draw_profile(ax, of[kind])
     fig.savefig(out)
 
 
