@@ -213,16 +213,31 @@ def test_torch_profiler_shows_ddl_ranges():
 def test_per_dimension_phases_across_hosts(tmp_path):
     pytest.importorskip("torch")  # the dimension across hosts runs on Gloo
     pre = hosts_env(4, 2, DDL_OPTIONS="-mode r:2x2")
-    reports(run_worker("timeline.py", 4, "dump", "3", per_rank_env=pre,
+    # 4 KiB rides on the identity round (its own phase); 16 KiB runs the dimensions
+    reports(run_worker("timeline.py", 4, "dump", "3", "1024,4096", per_rank_env=pre,
                        env={"DDL_TIMELINE": str(tmp_path / "m.json")}))
     for events in read_ranks(str(tmp_path / "m.rank{rank}.json"), 4):
         phases = [e for e in events if e["cat"] == "phase"]
-        assert {e["name"] for e in phases} == {"dim0 reduce_scatter", "dim1 allreduce",
-                                               "dim0 allgather"}
+        assert {e["name"] for e in phases} == {"identity round", "dim0 reduce_scatter",
+                                               "dim1 allreduce", "dim0 allgather"}
         assert all(e["args"]["bytes"] > 0 for e in phases)
+        assert [e["args"]["bytes"] for e in phases if e["name"] == "identity round"] == [4096] * 3
         collectives = [e for e in events if e["cat"] == "collective"]
         on_caller = [e for e in phases if e["name"].startswith("dim0")]
         assert all(inside(e, collectives) for e in on_caller)
+
+
+@pytest.mark.parametrize("per,mode", [(2, ""), (1, "-mode r:2x2")],
+                         ids=["2 hosts of 2", "2x2 grid across hosts"])
+def test_a_rank_recording_alone_changes_no_result(tmp_path, per, mode):
+    pytest.importorskip("torch")
+    pre = hosts_env(4, per, **({"DDL_OPTIONS": mode} if mode else {}))
+    for r in reports(run_worker("timeline_alone.py", 4, str(tmp_path / "a.json"),
+                                per_rank_env=pre, env={"DDL_TIMEOUT": "20"})):
+        assert r["right"] == [True] * 4, r
+    phases = {e["name"] for e in read_ranks(str(tmp_path / "a.rank{rank}.json"), 1)[0]
+              if e["cat"] == "phase"}
+    assert "identity round" in phases, phases
 
 
 DUMP_LINE = re.compile(r"^\[ddl\] allreduce #(\d+) \(4096 B\): dim0 x2 shm/one-step; "

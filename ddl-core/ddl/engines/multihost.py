@@ -8,6 +8,7 @@ for any set of ranks: ``MultiHostEngine`` builds it for the job from the grid pl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -135,21 +136,22 @@ class DimsEngine:
 
     def allreduce(self, src: np.ndarray | Pieces, dst: np.ndarray | Pieces, dt: DType,
                   op: ReduceOp, shape) -> None:
-        # A small allreduce rides on the round, unless the timeline records or -dump_iter
-        # counts: then it runs through the dimensions, whose phases they show.
-        small = (src.nbytes <= identity_round.FOLD_BYTES and _tl.recorder is None
-                 and not self.multidim.dump_iter)
+        # A small allreduce rides on the round, unless -dump_iter counts (a job-wide option):
+        # then it runs through the dimensions, whose times it prints. Whether the timeline
+        # records must not decide it: a rank may record alone, and every rank must take the
+        # same path (the round shows on the timeline as a phase of its own).
+        small = src.nbytes <= identity_round.FOLD_BYTES and not self.multidim.dump_iter
         if self.armed is not None:
             if small:
                 fold, self.armed = self.armed, None
-                self._guard(self._round.allreduce, fold, src, dst, dt, op)
+                self._guard(self._ride, fold, src, dst, dt, op)
                 return
             self._settle()
         else:
             what = lambda: f"allreduce({dt.name}[{src.size}], {op.name})"  # noqa: E731
             words = (ALLREDUCE, int(op), dt.code, src.size, shape_hash(shape))
             if small:
-                self._core(words, what, self._round.allreduce, src, dst, dt, op)
+                self._core(words, what, self._ride, src, dst, dt, op)
                 return
             self._core(words, what)
         if isinstance(dst, Pieces):  # in place on pieces: the pipeline needs one buffer
@@ -160,6 +162,14 @@ class DimsEngine:
             return
         copy_flat(src, dst)  # the pipeline runs in place
         self._guard(self.multidim.allreduce, dst, dt, op)
+
+    def _ride(self, fold: Fold, src, dst, dt: DType, op: ReduceOp) -> None:
+        """A small allreduce on the round (``IdentityRound.allreduce``), timed as a phase."""
+        t0 = time.perf_counter()
+        self._round.allreduce(fold, src, dst, dt, op)
+        if _tl.recorder is not None:
+            _tl.phase("identity round", "phase", t0, time.perf_counter(),
+                      {"bytes": int(src.nbytes)})
 
     def reduce_scatter(self, src, dst, dt: DType, op: ReduceOp, shape, counts) -> None:
         if self.armed is not None:

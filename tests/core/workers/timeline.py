@@ -6,7 +6,8 @@
   ``hvd.stop_timeline()`` (ddl.torch), then more steps that must not be recorded;
 - ``profiler``: the steps, and a ``ddl``-backend allreduce, under ``torch.profiler``;
   reports the names of ``key_averages()``;
-- ``dump``: allreduces with ``-dump_iter`` in DDL_OPTIONS (the test reads stderr).
+- ``dump``: allreduces with ``-dump_iter`` in DDL_OPTIONS (the test reads stderr); argv[3]
+  the element counts, comma-separated.
 """
 
 import json
@@ -46,9 +47,11 @@ if MODE == "dump":
 
     ddl.init()
     rank = ddl.rank()
-    x = np.ones(1024, dtype=np.float32)  # 4 KiB
-    for _ in range(int(sys.argv[2])):
-        ddl.allreduce(x)
+    # element counts (default 1024: 4 KiB), each allreduced argv[2] times
+    for count in map(int, (sys.argv[3] if len(sys.argv) > 3 else "1024").split(",")):
+        x = np.ones(count, dtype=np.float32)
+        for _ in range(int(sys.argv[2])):
+            ddl.allreduce(x)
     ddl.shutdown()
     print(json.dumps({"rank": rank}))
     sys.exit(0)
