@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -516,6 +517,10 @@ def plan_allgather(tensor, group: Group | None = None) -> Callable[[], Any]:
 def plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = None
                     ) -> Callable[[], Any]:
     engine, _, size = _target(group)
+    try:
+        root_rank = operator.index(root_rank)  # an int, numpy's too; not a float or a str
+    except TypeError:
+        raise DDLConfigError(f"broadcast: root_rank must be an int, got {root_rank!r}") from None
     if not 0 <= root_rank < size:
         raise DDLConfigError(f"broadcast: root_rank {root_rank} is outside 0..{size - 1}")
     if route := _routed(tensor, group):
@@ -565,7 +570,7 @@ def plan_reduce_scatter(tensor, op, group: Group | None = None) -> Callable[[], 
     return job
 
 
-def _planned(make: Callable[[], Callable[[], Any]], tensor: Any, name: str,
+def _planned(make: Callable[[], Callable[[], Any]], tensor: Any, op: Any, name: str,
              group: Group | None) -> Callable[[], Any]:
     """``make()``'s plan. When planning refuses the call on this rank (an op the dtype does
     not allow, an ``out`` of the wrong size, a root outside the group...), the refusal still
@@ -577,20 +582,24 @@ def _planned(make: Callable[[], Callable[[], Any]], tensor: Any, name: str,
     have no such step."""
     try:
         return make()
-    except DDLError as exc:
-        _refuse_collectively(exc, tensor, name, group)
+    except Exception as exc:  # planning has no side effects: any refusal is one
+        _refuse_collectively(exc, tensor, op, name, group)
         raise
 
 
-def _refuse_collectively(exc: DDLError, tensor: Any, name: str, group: Group | None) -> None:
+def _refuse_collectively(exc: Exception, tensor: Any, op: Any, name: str,
+                         group: Group | None) -> None:
     if _session is None:
         return  # not initialized: there are no peers yet
     try:
         engine, rank, size = _target(group)
-        first = tensor[0] if isinstance(tensor, (list, tuple)) and tensor else tensor
-        routed = _routed(first, group) is not None
-    except Exception:  # noqa: BLE001 - a released group, an unroutable object: no step
+    except DDLError:  # a released group, a foreign object: it has no peers to meet
         return
+    try:  # where the plan would have sent it: a device engine's call has no refusal step
+        first = tensor[0] if isinstance(tensor, list) and tensor else tensor
+        routed = _routed(first, group, parse_op(op) if op is not None else None) is not None
+    except Exception:  # noqa: BLE001 - not a tensor, not an op: the host engine's call
+        routed = False
     refuse = getattr(engine, "refuse", None)
     if refuse is None or size < 2 or routed:
         return
@@ -650,9 +659,13 @@ SPELLINGS: tuple[tuple[str, str, str, bool, str | None], ...] = (
 def _generate(rows: tuple[tuple[str, str, str, bool, str | None], ...]) -> None:
     for label, args, plan, async_, doc in rows:
         ret = "Handle" if async_ else "Any"
+        first = args.split(",")[0]
+        op = "op" if "op:" in args else "None"
         src = (f"def {label}({args}, name: str | None = None, group: Group | None = None"
                f") -> {ret}:\n"
-               f"    return dispatch(_planned(lambda: {plan}, {args.split(',')[0]}, "
+               # read once: the plan and a refusal both look at the tensors
+               + (f"    {first} = list({first})\n" if first == "tensors" else "")
+               + f"    return dispatch(_planned(lambda: {plan}, {first}, {op}, "
                f"name or {label!r}, group), name or {label!r}, {async_}, group)\n")
         exec(src, globals())  # noqa: S102 - our own rows, as dataclasses does
         globals()[label].__doc__ = doc if doc is not None else (

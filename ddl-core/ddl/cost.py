@@ -240,9 +240,9 @@ def profile_from_json(doc: object, where: str) -> Profile:
         if min(alpha, beta, gamma) < 0 or not all(map(math.isfinite, (alpha, beta, gamma))):
             raise bad(f"dims[{k}]: alpha, beta and gamma must be finite and >= 0")
         dims.append(dim)
-    try:
-        overhead = float(doc.get("call_overhead_s", 0.0))
-    except (TypeError, ValueError):
+    raw = doc.get("call_overhead_s")  # absent or null: a profile without it
+    overhead = 0.0 if raw is None else raw
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)):
         overhead = math.nan
     if not (math.isfinite(overhead) and overhead >= 0):
         raise bad("\"call_overhead_s\" must be a finite number >= 0")

@@ -124,6 +124,10 @@ def test_the_identity_round_is_priced_where_a_call_crosses_hosts():
     dims = simulate.plan_dims([2, 3], links, 1 << 20)
     assert row["pipelined_s"] == pytest.approx(cost.pipeline_time(dims, 1 << 20, 1 << 18)
                                                + cost.identity_round_time(dims))
+    # up to 8 KiB the data rides on the round: the round is the whole call
+    small = simulate.allreduce_row([2, 3], links, 4096, 1 << 18, call_overhead=1.0)
+    assert small["pipelined_s"] == small["multidim_s"] == pytest.approx(
+        cost.identity_round_time(simulate.plan_dims([2, 3], links, 4096)))
 
 
 def test_calibrate_finds_the_per_call_overhead_and_simulate_adds_it(tmp_path, capsys):
@@ -160,9 +164,12 @@ def test_calibrate_finds_the_per_call_overhead_and_simulate_adds_it(tmp_path, ca
         assert (row["pipelined_s"] - bare["pipelined_s"]) * 1e3 == pytest.approx(added)
     capsys.readouterr()
     doc = got.to_json()
-    doc["call_overhead_s"] = -1
-    with pytest.raises(DDLConfigError, match="call_overhead_s"):
-        cost.profile_from_json(doc, "doc")
+    for bad in (-1, True, "1", float("nan")):
+        doc["call_overhead_s"] = bad
+        with pytest.raises(DDLConfigError, match="call_overhead_s"):
+            cost.profile_from_json(doc, "doc")
+    doc["call_overhead_s"] = None  # as absent
+    assert cost.profile_from_json(doc, "doc").call_overhead_s == 0.0
 
 
 def test_profile_round_trip_and_env_lookup(tmp_path, monkeypatch):

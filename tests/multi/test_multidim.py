@@ -109,7 +109,7 @@ def test_asking_for_mpi_without_mpi4py_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("n,per,mode", [
-    (2, 1, ""), (4, 2, ""),
+    (2, 1, ""), (4, 2, "-mode r:2x2"),  # the second: ddlrun's grid for 2 hosts of 2
     # grids whose round goes over the whole group: two dimensions across hosts, and 3-D
     (4, 1, "-mode r:2x2"), (8, 2, "-mode r:2x2x2"),
 ], ids=["2x1", "2x2", "2x2-across", "3d"])

@@ -21,7 +21,7 @@ def job(request):
     if request.param == "2x2":
         env = {"DDL_TIMEOUT": "20", "SAFETY_PARTS": "grouped_grad,failures,out_of_step,names"}
         return 4, reports(run_worker("hvd_safety.py", 4, env=env, timeout=300,
-                                     per_rank_env=hosts_env(4, 2)))
+                                     per_rank_env=hosts_env(4, 2, DDL_OPTIONS="-mode r:2x2")))
     n = request.param
     return n, reports(run_worker("hvd_safety.py", n, env={"DDL_TIMEOUT": "20"}, timeout=240))
 

@@ -49,8 +49,9 @@ _HEAD = 2 + MAX_IDENT + 1  # status, length, the descriptor; even, so rows stay 
 _ROW = ROW_BYTES = _HEAD * 8 + FOLD_BYTES  # what each rank sends (cost.identity_round_time)
 # statuses: the host reduced its data (DATA) or only settled its identities (IDENT), both
 # folded; the host's identities call for the error path (UNFOLDED); this rank exchanged its
-# identity alone (ALONE); the host's ranks ran different collectives (MISMATCH)
-DATA, IDENT, UNFOLDED, ALONE, MISMATCH = 1, 2, 3, 4, 5
+# identity alone (ALONE); the host's ranks ran different collectives (MISMATCH); the host's
+# ranks refused the call before its data moved (REFUSING, ``refuse``)
+DATA, IDENT, UNFOLDED, ALONE, MISMATCH, REFUSING = 1, 2, 3, 4, 5, 6
 REFUSED_KEY = 1 << 41  # a refused call's key: no identity or core key (1 << 40) is equal
 
 
@@ -91,7 +92,7 @@ class IdentityRound:
             except Unfolded as why:
                 status, host = UNFOLDED, why.result
             except DDLMismatchError as exc:
-                status, host, failure = MISMATCH, np.asarray(fold.words), exc
+                status, host, failure = _failed(exc), np.asarray(fold.words), exc
             finally:
                 self.local.cancel_fold()
         self._row[_HEAD * 8 : _HEAD * 8 + work.nbytes] = work.view(np.uint8)
@@ -135,8 +136,7 @@ class IdentityRound:
                 self.local.refuse()
             except DDLMismatchError as exc:
                 failure = exc
-        self._exchange(MISMATCH if failure else ALONE, np.array([REFUSED_KEY], np.int64),
-                       failure)
+        self._exchange(REFUSING, np.array([REFUSED_KEY], np.int64), failure)
 
     # ------------------------------------------------------------------ the parts
     def _local_alone(self, desc: np.ndarray, status: int):
@@ -145,7 +145,7 @@ class IdentityRound:
         try:
             return status, self.local.exchange_identity(desc), None
         except DDLMismatchError as exc:
-            return MISMATCH, desc, exc
+            return _failed(exc), desc, exc
 
     def _exchange(self, status: int, host: np.ndarray, failure: BaseException | None):
         """Send this host's status and MAX along the line; the job-wide MAX, the same on
@@ -157,13 +157,20 @@ class IdentityRound:
         heads = self._heads
         if failure is not None:
             raise failure
+        # on a line of every rank (no host step) a position is a rank
+        who = ("rank(s)" if self.local is None and self.line.size == self.world
+               else "the ranks of host position(s)")
+        refusing = [h for h in range(self.line.size) if heads[h, 0] == REFUSING]
+        if refusing and len(refusing) < self.line.size:
+            raise DDLMismatchError(
+                f"rank {self.rank}: {who} {refusing} refused this call before its data moved "
+                "(their own error says why): every rank raises, and the job stays in step")
         if (heads[:, 0] == MISMATCH).any() or (heads[:, 1] != n).any():
             bad = [h for h in range(self.line.size)
                    if heads[h, 0] == MISMATCH or heads[h, 1] != n]
             raise DDLMismatchError(
-                f"rank {self.rank}: the ranks of host position(s) {bad} ran a different "
-                "collective (their own error names it): every rank must issue the same "
-                "collectives in the same order")
+                f"rank {self.rank}: {who} {bad} ran a different collective (their own error "
+                "names it): every rank must issue the same collectives in the same order")
         return np.maximum.reduce(heads[:, 2 : 2 + n], axis=0)
 
     def _all(self, status: int) -> bool:
@@ -177,6 +184,12 @@ class IdentityRound:
                 self._work.clear()
             work = self._work[key] = np.empty(count, dt.storage)
         return work
+
+
+def _failed(exc: DDLMismatchError) -> int:
+    """The status of a host whose ranks' step raised ``exc``: a refusal among them, or
+    different collectives."""
+    return REFUSING if getattr(exc, "refused", False) else MISMATCH
 
 
 def supports(dims: list, size: int) -> tuple:

@@ -452,7 +452,7 @@ class ShmEngine:
         same records."""
         flags = self._idents.flags(p)
         if not all(flags) or not self._idents.lengths_agree(p):
-            raise DDLMismatchError(self._records.mixed_report(p))
+            raise self._records.error(p, what, mixed=True)
         result = self._idents.result(p)
         if fold is not None and (not all(f == FOLDED for f in flags) or fold.stop(result)):
             raise Unfolded(result)

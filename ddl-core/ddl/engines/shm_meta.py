@@ -125,16 +125,31 @@ class Records:
             ref = qb[mine + lo * 8 : mine + hi * 8].tobytes()
             for b, _ in self._peer_bytes:
                 if qb[b + off + lo * 8 : b + off + hi * 8] != ref:
-                    raise DDLMismatchError(self.report(p, what))
+                    raise self.error(p, what)
+
+    def refused(self, p: int) -> bool:
+        """Whether some rank's record of parity ``p`` is a refusal."""
+        return any(self._q[b + W_META[p] + M_KEY] == coll_key(REFUSED) for b in self._blk)
+
+    def error(self, p: int, what: tuple, mixed: bool = False) -> DDLMismatchError:
+        """The error every rank raises for the records of parity ``p``: a refusal among
+        them (``ShmEngine.refuse``), else some carrying a call identity and some not
+        (``mixed``, or seen in their keys), else different arguments. ``refused`` tells the
+        round across hosts to say so to the other hosts (identity_round.REFUSING)."""
+        refused = self.refused(p)
+        if refused:
+            msg = (f"{self._me}: some ranks refused {what[0]} before its data moved (each "
+                   "raises its own error, which says why); the others raise this:\n"
+                   + self.lines(p))
+        else:
+            msg = self.mixed_report(p) if mixed else self.report(p, what)
+        exc = DDLMismatchError(msg)
+        exc.refused = refused
+        return exc
 
     def report(self, p: int, what: tuple) -> str:
         q = self._q
-        keys = [q[b + W_META[p] + M_KEY] for b in self._blk]
-        if coll_key(REFUSED) in keys:
-            return (f"{self._me}: some ranks refused {what[0]} before its data moved (each "
-                    "raises its own error, which says why); the others raise this:\n"
-                    + self.lines(p))
-        if len({k >> IDENT_SHIFT for k in keys}) > 1:
+        if len({q[b + W_META[p] + M_KEY] >> IDENT_SHIFT for b in self._blk}) > 1:
             return self.mixed_report(p)
         return (
             f"{self._me}: ranks called {what[0]} with different arguments "

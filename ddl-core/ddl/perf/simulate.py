@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 
 from .. import config, cost
+from ..engines.identity_round import FOLD_BYTES
 from ..errors import DDLConfigError
 from .presets import PRESETS, Cluster
 
@@ -65,11 +66,17 @@ def allreduce_row(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: 
     world = math.prod(sizes)
     dims = plan_dims(sizes, links, nbytes)
     slowest = max((link for _, link in links), key=lambda lk: (lk.beta, lk.alpha))
-    check = cost.identity_round_time(dims) + call_overhead  # ddl's call, not a flat ring
+    round_s = cost.identity_round_time(dims)  # ddl's call pays it, a flat ring does not
+    if round_s and nbytes <= FOLD_BYTES:
+        # the data rides on the round (one step in the host, one message along the line):
+        # no pipeline, and none of the hand-offs the measured overhead is made of
+        multidim = pipelined = round_s
+    else:
+        multidim = cost.multidim_time(dims, nbytes) + round_s + call_overhead
+        pipelined = cost.pipeline_time(dims, nbytes, chunk_bytes) + round_s + call_overhead
     return {"bytes": int(nbytes), "ranks": world,
             "flat_s": cost.allreduce_time("ring", world, nbytes, slowest),
-            "multidim_s": cost.multidim_time(dims, nbytes) + check,
-            "pipelined_s": cost.pipeline_time(dims, nbytes, chunk_bytes) + check,
+            "multidim_s": multidim, "pipelined_s": pipelined,
             "algorithms": [a for a, n, _ in dims if n > 1]}
 
 

@@ -23,6 +23,11 @@ CASES = {
     "bad_out": lambda: ddl.allreduce(ONES, ddl.Sum, out=np.empty(15 if ODD else 16, np.float32)),
     # a root outside the job, on one rank
     "bad_root": lambda: ddl.broadcast(ONES, root_rank=N if ODD else 0),
+    # a root that is no int, on one rank
+    "root_type": lambda: ddl.broadcast(ONES, root_rank=None if ODD else 0),
+    # a grouped call given a generator, with an op its dtype does not allow, on one rank
+    "grouped": lambda: ddl.grouped_allreduce_(
+        (np.ones(4, np.int32 if ODD else np.float32) for _ in range(2)), op=ddl.Average),
     # refused on every rank: each raises its own error, nobody a mismatch
     "everyone": lambda: ddl.allreduce(np.ones(16, np.int32), op=ddl.Average),
     # a 0-d tensor has no rows to gather, on one rank; the others gather
