@@ -157,21 +157,26 @@ class IdentityRound:
         heads = self._heads
         if failure is not None:
             raise failure
-        # on a line of every rank (no host step) a position is a rank
-        who = ("rank(s)" if self.local is None and self.line.size == self.world
-               else "the ranks of host position(s)")
-        refusing = [h for h in range(self.line.size) if heads[h, 0] == REFUSING]
-        if refusing and len(refusing) < self.line.size:
+        refusing = heads[:, 0] == REFUSING
+        if refusing.any() and not refusing.all():
             raise DDLMismatchError(
-                f"rank {self.rank}: {who} {refusing} refused this call before its data moved "
-                "(their own error says why): every rank raises, and the job stays in step")
-        if (heads[:, 0] == MISMATCH).any() or (heads[:, 1] != n).any():
-            bad = [h for h in range(self.line.size)
-                   if heads[h, 0] == MISMATCH or heads[h, 1] != n]
+                f"rank {self.rank}: {self._who()} {np.flatnonzero(refusing).tolist()} refused "
+                "this call before its data moved (their own error says why): every rank "
+                "raises, and the job stays in step")
+        bad = (heads[:, 0] == MISMATCH) | (heads[:, 1] != n)
+        if bad.any():
             raise DDLMismatchError(
-                f"rank {self.rank}: {who} {bad} ran a different collective (their own error "
-                "names it): every rank must issue the same collectives in the same order")
+                f"rank {self.rank}: {self._who()} {np.flatnonzero(bad).tolist()} ran a "
+                "different collective (their own error names it): every rank must issue the "
+                "same collectives in the same order")
         return np.maximum.reduce(heads[:, 2 : 2 + n], axis=0)
+
+    def _who(self) -> str:
+        """What a row stands for in messages: on a line of every rank (no host step), a
+        rank."""
+        if self.local is None and self.line.size == self.world:
+            return "rank(s)"
+        return "the ranks of host position(s)"
 
     def _all(self, status: int) -> bool:
         return bool((self._heads[:, 0] == status).all())
