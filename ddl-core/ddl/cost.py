@@ -148,21 +148,21 @@ def pipeline_time(dims: list[tuple[str, int, Link]], nbytes: float, chunk_bytes:
 
 def identity_round_time(dims: list[tuple[str, int, Link]]) -> float:
     """What a call on the multi-host engine pays before its data crosses a host: the identity
-    round (engines/identity_round.py), one fixed-size row per rank gathered along the line
-    after one shared-memory step inside the host, or on any other grid gathered from every
-    rank. Nothing on one host (the shared-memory engine checks its ranks itself)."""
+    round (engines/identity_round.py), one fixed-size row per host gathered along the line
+    after one shared-memory step inside the host (a grid of the host's ranks, then
+    dimensions across hosts), or on any other grid gathered from every rank, over the
+    slowest link. Nothing on one host (the shared-memory engine checks its ranks itself)."""
     from .engines.identity_round import ROW_BYTES
 
     dims = [d for d in dims if d[1] > 1]
     if all(alg == "shm" for alg, _, _ in dims):
         return 0.0
-    if len(dims) <= 2 and all(alg == "shm" for alg, _, _ in dims[:-1]):
-        host = dims[0][2].alpha if len(dims) == 2 else 0.0
-        _, n, link = dims[-1]
-    else:
-        host = 0.0
-        n = math.prod(size for _, size, _ in dims)
-        link = max((lk for _, _, lk in dims), key=lambda lk: (lk.beta, lk.alpha))
+    host = 0.0
+    if dims[0][0] == "shm" and all(alg != "shm" for alg, _, _ in dims[1:]):
+        host = dims[0][2].alpha
+        dims = dims[1:]
+    n = math.prod(size for _, size, _ in dims)
+    link = max((lk for _, _, lk in dims), key=lambda lk: (lk.beta, lk.alpha))
     return host + (n - 1) * (link.alpha + ROW_BYTES * link.beta)
 
 

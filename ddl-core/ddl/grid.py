@@ -80,3 +80,18 @@ def plan(rank: int, world: int, local_size: int, opts: Options) -> Grid:
         out.append(Dim(k, size, members, coord, base, intra, letters[k]))
         stride *= size
     return Grid(tuple(out), world)
+
+
+def host_line(grid: Grid, rank: int, local_size: int) -> tuple[tuple[int, ...], int] | None:
+    """The ranks at this rank's place on every host (members, this rank's position), when
+    one dimension of ``grid`` is exactly this host's ranks and every other one crosses
+    hosts: the line along which the identity round gathers one row per host
+    (engines/identity_round.py) instead of one per rank. None on any other grid."""
+    dims = [d for d in grid.dims if d.size > 1]
+    inside = [d for d in dims if d.intra_host]
+    if (local_size < 2 or grid.world % local_size or len(inside) != 1
+            or inside[0].size != local_size):
+        return None
+    here = rank % local_size
+    return tuple(h * local_size + here for h in range(grid.world // local_size)), \
+        rank // local_size

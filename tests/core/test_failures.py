@@ -73,9 +73,9 @@ def test_bad_input_is_refused_locally():
 
 @pytest.mark.parametrize("n,per,mode", [
     (2, None, ""), (3, None, ""), (2, 1, ""), (4, 2, "-mode r:2x2"), (4, 2, ""),
-    (4, 1, "-mode r:2x2")],
+    (4, 1, "-mode r:2x2"), (8, 2, "-mode r:2x2x2")],
     ids=["shm-2", "shm-3", "2 hosts", "2 hosts of 2", "2 hosts of 2, flat",
-         "2x2 grid across hosts"])
+         "2x2 grid across hosts", "4 hosts of 2, 3-D grid"])
 def test_a_call_refused_on_one_rank_raises_on_every_rank_and_the_job_stays_in_step(n, per,
                                                                                  mode):
     """The refusing rank's error used to stay its own: its next call paired with the peers'

@@ -46,3 +46,20 @@ def test_default_dims():
     assert grid.default_dims(8, 4) == (4, 2)
     assert grid.default_dims(4, 4) == (4,)
     assert grid.default_dims(6, 4) == (6,)
+
+
+def test_the_identity_rounds_host_line():
+    """The ranks at one place on every host, where the grid is the host's ranks then any
+    dimensions across hosts (IBM DDL's GPUs x hosts x racks); None where it is not."""
+    # 4 hosts of 2 as 2 x 2 x 2: rank 5 is local rank 1 of host 2
+    assert grid.host_line(_plan(5, 8, 2, "-mode r:2x2x2"), 5, 2) == ((1, 3, 5, 7), 2)
+    # 2 hosts of 2 as 2 x 2: the line is the one dimension across hosts
+    g = _plan(3, 4, 2, "-mode r:2x2")
+    assert grid.host_line(g, 3, 2) == (g.dims[1].members, g.dims[1].position)
+    # 3 racks of 2 hosts of 4
+    assert grid.host_line(_plan(13, 24, 4, "-mode r:4x2x3"), 13, 4) == (
+        (1, 5, 9, 13, 17, 21), 3)
+    assert grid.host_line(_plan(0, 8, 4, "-mode r:2x2x2"), 0, 4) is None  # two inside a host
+    assert grid.host_line(_plan(0, 8, 2, "-mode r:4x2"), 0, 2) is None  # none is the host
+    assert grid.host_line(_plan(0, 4, 1, "-mode r:2x2"), 0, 1) is None  # one rank per host
+    assert grid.host_line(_plan(0, 8, 2, ""), 0, 2) is None  # flat

@@ -16,7 +16,10 @@ LAYOUTS = {"one host": (2, None, "shm"), "2 hosts": (2, hosts_env(2, 1), "ddl/gl
            # ddlrun's grid for 2 hosts of 2: shared memory inside each, Gloo across
            "2 hosts of 2": (4, hosts_env(4, 2, DDL_OPTIONS="-mode r:2x2"), "ddl/gloo"),
            # two dimensions across hosts: the round goes over the whole group
-           "4 hosts, 2x2 grid": (4, hosts_env(4, 1, DDL_OPTIONS="-mode r:2x2"), "ddl/gloo")}
+           "4 hosts, 2x2 grid": (4, hosts_env(4, 1, DDL_OPTIONS="-mode r:2x2"), "ddl/gloo"),
+           # the host's ranks, then two dimensions across hosts: one row per host
+           "4 hosts of 2, 3-D grid": (8, hosts_env(8, 2, DDL_OPTIONS="-mode r:2x2x2"),
+                                      "ddl/gloo")}
 TWO_RANKS = ["one host", "2 hosts"]
 
 

@@ -107,7 +107,7 @@ def _profile_doc():
 
 def test_the_identity_round_is_priced_where_a_call_crosses_hosts():
     """ddl's call across hosts checks its identity first (engines/identity_round.py): one
-    shared-memory step, then one fixed-size row per rank along the line; on any other grid
+    shared-memory step, then one fixed-size row per host along the line; on any other grid
     rows from every rank over the slowest link; one host pays nothing."""
     from ddl.engines.identity_round import ROW_BYTES
 
@@ -117,8 +117,12 @@ def test_the_identity_round_is_priced_where_a_call_crosses_hosts():
         1e-4 + 2 * (1e-3 + ROW_BYTES * 1e-8))
     assert cost.identity_round_time([("ring", 1, shm), ("ring", 2, net)]) == pytest.approx(
         1e-3 + ROW_BYTES * 1e-8)
+    # the host's ranks, then two dimensions across hosts: one row per host (4 hosts)
     three = [("shm", 2, shm), ("ring", 2, net), ("ring", 2, net)]
-    assert cost.identity_round_time(three) == pytest.approx(7 * (1e-3 + ROW_BYTES * 1e-8))
+    assert cost.identity_round_time(three) == pytest.approx(1e-4 + 3 * (1e-3 + ROW_BYTES * 1e-8))
+    # two dimensions inside a host: rows from every rank (8) over the slowest link
+    two_inside = [("shm", 2, shm), ("shm", 2, shm), ("ring", 2, net)]
+    assert cost.identity_round_time(two_inside) == pytest.approx(7 * (1e-3 + ROW_BYTES * 1e-8))
     links = [("shm", shm), ("net", net)]
     row = simulate.allreduce_row([2, 3], links, 1 << 20, 1 << 18)
     dims = simulate.plan_dims([2, 3], links, 1 << 20)

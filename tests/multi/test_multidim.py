@@ -108,18 +108,23 @@ def test_asking_for_mpi_without_mpi4py_is_a_clear_error(tmp_path):
     assert all("the mpi engine needs mpi4py" in r.stderr for r in res)
 
 
-@pytest.mark.parametrize("n,per,mode", [
-    (2, 1, ""), (4, 2, "-mode r:2x2"),  # the second: ddlrun's grid for 2 hosts of 2
-    # grids whose round goes over the whole group: two dimensions across hosts, and 3-D
-    (4, 1, "-mode r:2x2"), (8, 2, "-mode r:2x2x2"),
-], ids=["2x1", "2x2", "2x2-across", "3d"])
-def test_core_calls_that_differ_across_hosts_raise_on_every_rank(n, per, mode):
+@pytest.mark.parametrize("n,per,mode,rows", [
+    (2, 1, "", 2), (4, 2, "-mode r:2x2", 2),  # the second: ddlrun's grid for 2 hosts of 2
+    # one rank per host, two dimensions across hosts: a row from every rank
+    (4, 1, "-mode r:2x2", 4),
+    # the host's ranks, then two dimensions across hosts: a row per host on its own line
+    (8, 2, "-mode r:2x2x2", 4),
+    # two dimensions inside a host: a row from every rank
+    (8, 4, "-mode r:2x2x2", 8),
+], ids=["2x1", "2x2", "2x2-across", "3d", "3d-two-inside"])
+def test_core_calls_that_differ_across_hosts_raise_on_every_rank(n, per, mode, rows):
     """A core call carries a key across hosts (engines/identity_round.py): a float32 and an
     int32 allreduce of one size used to pair silently (garbage), two sizes aborted the
     process inside Gloo. Each case must raise on every rank, and the job go on."""
     env = {"DDL_TIMEOUT": "20", **({"DDL_OPTIONS": mode} if mode else {})}
     reps = reports(run_worker("cross_host_mismatch.py", n, env=env,
                               per_rank_env=hosts_env(n, per)))
+    assert [r["round_rows"] for r in reps] == [rows] * n
     cases = ("dtype", "numel", "op", "numel_large", "dtype_large", "kind", "root", "rows",
              "reduce_scatter")
     for r in reps:

@@ -13,9 +13,13 @@ data crosses a host boundary, whatever the call and whatever happened on this ra
    allreduce the host's partial result. The size is fixed so that two different calls
    still exchange messages of one size and see each other's status.
 
-On any other grid (two dimensions across hosts, or three) the round has no host step: each
-rank's message goes to every rank over the engine's group of all its members (``supports``
-None; ``DimsEngine`` passes that group as the line), so each rank is its own "host".
+The line is the one dimension across hosts when there is one; on a grid of the host's
+ranks, then several dimensions across hosts (IBM DDL's GPUs x hosts x racks), it is a group
+made for the round of the ranks at this place on every host (``grid.host_line``). On any
+other grid (two dimensions inside a host, or none that is the whole host) the round has no
+host step: each rank's message goes to every rank over the engine's group of all its
+members (``supports`` None; ``DimsEngine`` passes that group as the line), so each rank is
+its own "host".
 
 Every rank of a line reads the same rows, and every line sees the same rows (the ranks of a
 host share one status and one MAX), so every rank of the job decides the same: when every

@@ -51,7 +51,11 @@ class DimsEngine:
 
     heap = None  # ddl.malloc gives private memory here: peers are not all on this host
 
-    def __init__(self, multidim: MultiDim, group, size: int, rank: int, name: str):
+    def __init__(self, multidim: MultiDim, group, size: int, rank: int, name: str,
+                 host_line=None):
+        """``host_line``: the network group of this rank's counterparts on every host (its
+        owner closes it), for a grid whose first dimension is the host's ranks and whose
+        others all cross hosts (``grid.host_line``)."""
         self.name = name
         self.multidim = multidim
         self.world_group = group
@@ -59,12 +63,17 @@ class DimsEngine:
         self.rank = rank
         self._failed: BaseException | None = None
         # Call identities ride on each call's first message (engines/identity_round.py):
-        # along this rank's line where the grid is one dimension across hosts after at
-        # most one inside them; on any other grid (3-D, or two across hosts) every rank's
-        # message goes to every rank over the engine's own group, dearer but as safe.
+        # one row per host along this rank's line where the grid is the host's ranks, then
+        # dimensions across hosts (the one across-host dimension's group, or ``host_line``
+        # when there are several); on any other grid (two dimensions inside a host, or none
+        # spanning it) every rank's row goes to every rank over the engine's own group,
+        # dearer but as safe.
         self.armed: Fold | None = None
         self._core_folds: dict[tuple, Fold] = {}
-        found = identity_round.supports(multidim.dims, size) or (None, group)
+        found = identity_round.supports(multidim.dims, size)
+        if found is None and host_line is not None:
+            found = (multidim.dims[0].engine, host_line)
+        found = found or (None, group)
         self._round = identity_round.IdentityRound(*found, size, rank)
 
     def _guard(self, fn: Callable, *args):
@@ -262,6 +271,7 @@ class MultiHostEngine(DimsEngine):
             # at 2 hosts x 2 ranks, 16 MiB: 1.45x flat Gloo with futex waits, 1.37x spinning.
             shm_kwargs = dict(shm_kwargs, wait_policy="futex")
         dims = []
+        self._host_line = None
         try:
             for d in self.grid.dims:
                 if d.size == 1:
@@ -277,19 +287,30 @@ class MultiHostEngine(DimsEngine):
                     dims.append(GroupDim(group, d.index, d.mode,
                                          cost.link_for(d.index, transport)))
             world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
+            line = gridmod.host_line(self.grid, world.rank, world.local_size)
+            if line is not None and identity_round.supports(dims, world.size) is None:
+                members, position = line
+                self._host_line = self.ctx.group(f"idline{members[0]}", members, position)
             for dim in dims:
                 if isinstance(dim, GroupDim) and dim.mode == "p":
                     dim.explore(BY_NAME["float32"])
         except BaseException:
             for dim in dims:
                 dim.close()
+            if self._host_line is not None:
+                self._host_line.close()
             raise
         super().__init__(MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
                                   timeout=timeout, dump_iter=opts.dump_iter),
-                         world_group, world.size, world.rank, f"ddl/{transport}")
+                         world_group, world.size, world.rank, f"ddl/{transport}",
+                         host_line=self._host_line)
 
     def close(self) -> None:
         try:
-            super().close()
+            try:
+                super().close()
+            finally:
+                if self._host_line is not None:
+                    self._host_line.close()
         finally:
             self.ctx.close()  # the rendezvous, when the context joined its own

@@ -27,7 +27,8 @@ CASES = {
     "rows": lambda: ddl.allgather(np.ones((2, 3 + HOST), np.float32)),
     "reduce_scatter": lambda: ddl.reduce_scatter(np.ones((N * 4 + HOST, 2), np.float32), S),
 }
-out = {"rank": R}
+# how many rows the identity round gathers: one per host where the grid allows it
+out = {"rank": R, "round_rows": ddl.api._s().engine._round.line.size}
 for name, call in CASES.items():
     record(out, name, call)
     after = ddl.allreduce(np.full(1000, R + 1.0, np.float32), S)
