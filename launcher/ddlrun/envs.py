@@ -12,6 +12,7 @@ Kinds:
 
 - ``rank``: the env contract every rank gets (torchrun-compatible, plus ddl's own);
 - ``torchrun``: torchrun's worker variables, so frameworks that detect torchrun see it;
+- ``horovodrun``: horovodrun's worker variables, so Horovod code that reads them sees a job;
 - ``option``: set only with an option (``--network-interface``, ``--tcp``, GPU lists) or
   only when the user has not set it;
 - ``layout``: ddlrun's own, read by ``ddlrun.rankenv`` on the rank's host under mpirun/srun;
@@ -71,6 +72,19 @@ GROUP_WORLD_SIZE = _v("GROUP_WORLD_SIZE", "torchrun", "number of hosts (nodes) i
 ROLE_RANK = _v("ROLE_RANK", "torchrun", "same as RANK")
 ROLE_WORLD_SIZE = _v("ROLE_WORLD_SIZE", "torchrun", "same as WORLD_SIZE")
 ROLE_NAME = _v("ROLE_NAME", "torchrun", "always 'default'")
+
+# --------------------------------------------------------------- horovodrun's worker env
+# (what ``horovodrun --gloo`` gives each worker: Horovod's own test suite and scripts read
+# them to tell a launched job from a lone process)
+HOROVOD_RANK = _v("HOROVOD_RANK", "horovodrun", "same as RANK")
+HOROVOD_SIZE = _v("HOROVOD_SIZE", "horovodrun", "same as WORLD_SIZE")
+HOROVOD_LOCAL_RANK = _v("HOROVOD_LOCAL_RANK", "horovodrun", "same as LOCAL_RANK")
+HOROVOD_LOCAL_SIZE = _v("HOROVOD_LOCAL_SIZE", "horovodrun", "same as LOCAL_WORLD_SIZE")
+HOROVOD_CROSS_RANK = _v("HOROVOD_CROSS_RANK", "horovodrun",
+                        "index of this host among the hosts that have a rank of this local "
+                        "rank (Horovod's cross rank)")
+HOROVOD_CROSS_SIZE = _v("HOROVOD_CROSS_SIZE", "horovodrun",
+                        "number of hosts that have a rank of this local rank")
 
 # --------------------------------------------------------------- with an option
 CUDA_VISIBLE_DEVICES = _v("CUDA_VISIBLE_DEVICES", "option",

@@ -374,9 +374,11 @@ def rank_env(
     facts: HostFacts,
     user_env: Mapping[str, str],
     gpus: HostGpus | None = None,
+    cross: tuple[int, int] | None = None,
 ) -> dict[str, str]:
     """The per-rank part of the env contract (shared with ``ddlrun.rankenv`` for mpirun and
-    srun, where it is computed on the rank's host)."""
+    srun, where it is computed on the rank's host). ``cross``: Horovod's cross rank and size
+    (``cross_of``), when the layout of every host is known."""
     env = {
         envs.RANK: str(rank),
         envs.LOCAL_RANK: str(local_rank),
@@ -384,13 +386,25 @@ def rank_env(
         envs.GROUP_RANK: str(host_index),
         envs.DDL_HOST_INDEX: str(host_index),
         envs.ROLE_RANK: str(rank),
+        envs.HOROVOD_RANK: str(rank),
+        envs.HOROVOD_LOCAL_RANK: str(local_rank),
+        envs.HOROVOD_LOCAL_SIZE: str(local_size),
     }
+    if cross is not None:
+        env[envs.HOROVOD_CROSS_RANK], env[envs.HOROVOD_CROSS_SIZE] = map(str, cross)
     dev = gpus.visible(local_rank) if gpus else None
     if dev is not None:
         env[envs.CUDA_VISIBLE_DEVICES] = dev
     if envs.OMP_NUM_THREADS not in user_env:
         env[envs.OMP_NUM_THREADS] = str(max(1, facts.cores // max(1, local_size)))
     return env
+
+
+def cross_of(local_sizes: Sequence[int], host_index: int, local_rank: int) -> tuple[int, int]:
+    """Horovod's cross rank and size: this rank's place among the ranks of the same local
+    rank, one per host that has that many ranks (hosts in host-index order)."""
+    having = [h for h, n in enumerate(local_sizes) if n > local_rank]
+    return having.index(host_index), len(having)
 
 
 def _master_addr(req: Request, host0: HostSpec, facts: Mapping[str, HostFacts]) -> str:
@@ -485,6 +499,7 @@ def _common_env(req: Request, facts: Mapping[str, HostFacts], layout: _Layout,
         envs.GROUP_WORLD_SIZE: str(layout.nnodes if layout.per_node else len(hosts)),
         envs.ROLE_WORLD_SIZE: str(layout.world),
         envs.ROLE_NAME: "default",
+        envs.HOROVOD_SIZE: str(layout.world),
     })
     if export_job_id:
         common[envs.DDL_JOB_ID] = job_id
@@ -512,8 +527,12 @@ def _rank_specs(req: Request, facts: Mapping[str, HostFacts], layout: _Layout,
         host = hosts[index]
         node = req.node_rank if layout.per_node else index
         env = dict(common)
+        # one ddlrun per node knows its own host only: the nodes are alike (--nproc-per-node)
+        sizes = ([layout.local_size[index]] * layout.nnodes if layout.per_node
+                 else layout.local_size)
         env.update(rank_env(layout.offset + rank, local, layout.local_size[index], node,
-                            facts.get(host.name, HostFacts()), omp_set, gpus_of[old]))
+                            facts.get(host.name, HostFacts()), omp_set, gpus_of[old],
+                            cross_of(sizes, node, local)))
         per_host[index].append(RankSpec(layout.offset + rank, local, index, host.name,
                                         req.program, tuple(sorted(env.items()))))
     return per_host

@@ -3,7 +3,8 @@ start ranks themselves (mpirun, srun). Reads the rank from the launcher's variab
 (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK), the job layout from
 DDLRUN_RANK_HOSTS (host index of every rank, comma-separated) and DDLRUN_HOST_GPUS (per
 host ``mode:ids``, hosts joined by ';': see ``plan.HostGpus``), sets RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, ROLE_RANK, OMP_NUM_THREADS and, only with
+LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, ROLE_RANK, horovodrun's HOROVOD_RANK,
+HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK/SIZE, OMP_NUM_THREADS and, only with
 --include/--exclude GPU lists or --bind-gpus, CUDA_VISIBLE_DEVICES (as ddlrun.plan does) and
 execs the program.
 """
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Mapping
 
 from . import envs
-from .plan import HostFacts, HostGpus, rank_env
+from .plan import HostFacts, HostGpus, cross_of, rank_env
 
 RANK_VARS = envs.RANK_FROM_MANAGER
 
@@ -30,8 +31,10 @@ def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
     local_rank = layout[:rank].count(host)
     local_size = layout.count(host)
     facts = HostFacts(cores=cores)
+    sizes = [layout.count(h) for h in range(max(layout) + 1)]
     return rank_env(rank, local_rank, local_size, host, facts, env,
-                    gpus[host] if host < len(gpus) else None)
+                    gpus[host] if host < len(gpus) else None,
+                    cross_of(sizes, host, local_rank))
 
 
 def main(argv: list[str] | None = None) -> int:

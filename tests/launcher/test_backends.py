@@ -102,6 +102,10 @@ def test_rankenv_computes_contract_from_layout():
     assert got["LOCAL_WORLD_SIZE"] == "2" and got["ROLE_RANK"] == "3"
     assert "CUDA_VISIBLE_DEVICES" not in got  # left as the user has it: all GPUs visible
     assert got["OMP_NUM_THREADS"] == "4"
+    assert (got["HOROVOD_RANK"], got["HOROVOD_LOCAL_RANK"], got["HOROVOD_LOCAL_SIZE"],
+            got["HOROVOD_CROSS_RANK"], got["HOROVOD_CROSS_SIZE"]) == ("3", "1", "2", "1", "2")
+    uneven = compute({"PMI_RANK": "2", "DDLRUN_RANK_HOSTS": "0,0,1,2,2"}, cores=8)
+    assert (uneven["HOROVOD_CROSS_RANK"], uneven["HOROVOD_CROSS_SIZE"]) == ("1", "3")
     got = compute({**env, "DDLRUN_HOST_GPUS": "leave:;bind:2,3"}, cores=8)
     assert got["CUDA_VISIBLE_DEVICES"] == "3"  # --bind-gpus: local rank 1's GPU
     got = compute({**env, "DDLRUN_HOST_GPUS": "leave:;set:1,3"}, cores=8)

@@ -43,7 +43,7 @@ def test_the_scan_finds_literals(tmp_path):
 
 def test_every_rank_variable_is_documented():
     doc = (REPO / "docs" / "launcher.md").read_text()
-    missing = [n for n in envs.of_kind("rank", "torchrun", "option", "layout")
+    missing = [n for n in envs.of_kind("rank", "torchrun", "horovodrun", "option", "layout")
                if not re.search(rf"\b{n}\b", doc)]
     assert missing == []
 
@@ -51,7 +51,7 @@ def test_every_rank_variable_is_documented():
 def test_registry_entries_are_whole_and_secret_is_masked():
     reg = envs.registry()
     assert all(v.name == k and v.doc and v.kind in
-               {"rank", "torchrun", "option", "layout", "read"} for k, v in reg.items())
+               {"rank", "torchrun", "horovodrun", "option", "layout", "read"} for k, v in reg.items())
     assert [n for n, v in reg.items() if v.secret] == [envs.DDL_JOB_SECRET]
     assert plan.masked(envs.DDL_JOB_SECRET, "hush") == f"{envs.DDL_JOB_SECRET}=<secret>"
 

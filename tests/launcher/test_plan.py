@@ -33,6 +33,20 @@ def test_fill_host_by_host_and_not_enough_slots_message():
         assign(Request(PROG, hosts(("a", 2), ("b", 2)), nproc=5), {})
 
 
+def test_horovodruns_worker_env_for_every_rank():
+    """What ``horovodrun --gloo`` gives each worker, so Horovod code that reads it (its own
+    test suite) sees a launched job; the cross rank counts the hosts that have a rank of
+    this local rank, as Horovod's does on uneven hosts."""
+    p = plan_of(Request(PROG, hosts(("a", 2), ("b", 1), ("c", 2))))
+    got = [{k[len("HOROVOD_"):]: v for k, v in r.env_dict().items() if k.startswith("HOROVOD_")}
+           for r in p.ranks]
+    expect = [(0, 0, 2, 0, 3), (1, 1, 2, 0, 2), (2, 0, 1, 1, 3), (3, 0, 2, 2, 3),
+              (4, 1, 2, 1, 2)]
+    assert got == [{"RANK": str(r), "SIZE": "5", "LOCAL_RANK": str(lr), "LOCAL_SIZE": str(ls),
+                    "CROSS_RANK": str(cr), "CROSS_SIZE": str(cs)}
+                   for r, lr, ls, cr, cs in expect]
+
+
 def test_slot_defaults_accelerators_gpus_nproc():
     two = hosts(("a", None), ("b", None))
     assert len(assign(Request(PROG, two), {})) == 2  # one per host

@@ -111,6 +111,28 @@ ok["lr_from_root"] = opt.param_groups[0]["lr"] == 0.01
 moments = torch.cat([s["exp_avg_sq"].reshape(-1) for s in opt.state.values()])
 ok["adam_state_identical"] = all(eq(m, moments) for m in hvd.allgather(moments.reshape(1, -1)))
 
+# ------------- a new optimizer's state made as Horovod does: zero grads, one step
+class _NoGrad(torch.nn.Module):  # Horovod's test_broadcast_state_no_grad model
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor([1, 3]).int(), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.rand(4) + R)
+
+
+ng = _NoGrad()
+ng_opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(ng.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True),
+    named_parameters=ng.named_parameters())
+hvd.broadcast_parameters(ng.state_dict(), root_rank=0)
+ng_b = ng.b.detach().clone()
+hvd.broadcast_optimizer_state(ng_opt, root_rank=0)
+ok["new_state_grad"] = ng.a.grad is None and eq(ng.b.grad, torch.zeros(4))
+ok["new_state_grad_broadcast"] = eq(hvd.broadcast(ng.b.grad, root_rank=0), ng.b.grad)
+ok["new_state_made"] = "momentum_buffer" in ng_opt.state_dict()["state"].get(1, {})
+ok["new_state_params_kept"] = eq(ng.b, ng_b)  # the zero-grad step's weight decay undone
+ok["new_state_identical"] = all(eq(f, ng.b.detach()) for f in
+                                hvd.allgather(ng.b.detach().reshape(1, -1)))
+
 # ------------------------------------------------ a parameter used on rank 0 only
 torch.manual_seed(0)
 lin, extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
