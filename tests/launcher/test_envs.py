@@ -50,8 +50,8 @@ def test_every_rank_variable_is_documented():
 
 def test_registry_entries_are_whole_and_secret_is_masked():
     reg = envs.registry()
-    assert all(v.name == k and v.doc and v.kind in
-               {"rank", "torchrun", "horovodrun", "option", "layout", "read"} for k, v in reg.items())
+    kinds = {"rank", "torchrun", "horovodrun", "option", "layout", "read"}
+    assert all(v.name == k and v.doc and v.kind in kinds for k, v in reg.items())
     assert [n for n, v in reg.items() if v.secret] == [envs.DDL_JOB_SECRET]
     assert plan.masked(envs.DDL_JOB_SECRET, "hush") == f"{envs.DDL_JOB_SECRET}=<secret>"
 
