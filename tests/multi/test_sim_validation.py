@@ -37,41 +37,35 @@ def cluster(tmp_path_factory):
 
 
 def _misses(rows: list[dict]) -> list[str]:
-    """What is outside the bounds: the issue's 25% where the model's link terms dominate (4
-    and 16 MiB). At 1 MiB, one pipeline chunk, the call is mostly its per-call cost, which
-    calibrate measures on whole calls of 16-256 KiB (``call_overhead_s``: the hand-offs
-    between the dimensions' threads and processes, each waiting for one of 2 cores, and the
-    identity round's meetings of the ranks) and which moves by a factor of 2-3 from minute to
-    minute on this machine: -30% to +18% in the runs of docs/performance.md since calibrate
-    measures it. That bound says how far it may miss, without a fudge factor."""
-    by_size = {r["bytes"]: r for r in rows}
-    out = [f"{s >> 20} MiB: {by_size[s]['error']:+.1%}" for s in (4 << 20, 16 << 20)
-           if abs(by_size[s]["error"]) > 0.25]
-    if abs(by_size[1 << 20]["error"]) > 0.45:
-        out.append(f"1 MiB: {by_size[1 << 20]['error']:+.1%}")
-    return out
+    """The sizes outside the issue's bound: 25% for every size from 1 MiB, on the medians
+    of the rounds (``validate_rounds``)."""
+    return [f"{r['bytes'] >> 20} MiB: {r['error']:+.1%} (rounds "
+            + ", ".join(f"{e:+.1%}" for e in r["round_errors"]) + ")"
+            for r in rows if abs(r["error"]) > 0.25]
 
 
 def test_simulator_predicts_2x2_allreduce_within_25_percent(cluster, tmp_path):
-    from sim_validation import validate
+    from sim_validation import validate_rounds
 
-    # Calibration and measurement are a minute apart on a shared 2-core machine: a slow
-    # spell in one of them (a CI run once measured 16 MiB at twice its usual time while its
-    # calibration was as usual) is not the model's error, so a miss is measured once more,
-    # calibration included, and the better attempt decides. A model off by more misses both.
+    # One calibration and one measurement a minute apart each see their own moment of a
+    # shared 2-core machine (a CI run once measured 16 MiB at twice its usual time while its
+    # calibration was as usual; the per-call overhead calibrate measures moved from 3.7 to
+    # 11.3 ms between runs minutes apart). So, as any benchmark does with noisy timings,
+    # three calibrate-then-measure rounds, and the median measured against the median
+    # predicted; a miss is measured once more (three rounds again), and the better attempt
+    # decides. Each prediction still comes from its own round's profile: nothing is fitted.
     attempts = []
     for attempt in range(2):
         # calibrate as a user runs it: its default sizes, 16 KiB to 16 MiB
-        where = tmp_path / f"attempt{attempt}"
-        where.mkdir()
-        profile, rows = validate(cluster, where, nhosts=2, per=2,
-                                 sizes="1M,4M,16M", iters=3, timeout=300)
-        assert [(d.engine, d.size) for d in profile.dims] == [("shm", 2), ("gloo", 2)]
-        # the link is what tc made it: 1 Gbit/s shared by the two lines of dimension 1
-        assert 0.05e9 < 1 / profile.dims[1].link.beta < 0.15e9
-        assert sorted(r["bytes"] for r in rows) == [1 << 20, 4 << 20, 16 << 20]
+        runs, rows = validate_rounds(cluster, tmp_path / f"attempt{attempt}", nhosts=2, per=2,
+                                     rounds=3, sizes="1M,4M,16M", iters=3, timeout=300)
+        for profile, each in runs:
+            assert [(d.engine, d.size) for d in profile.dims] == [("shm", 2), ("gloo", 2)]
+            # the link is what tc made it: 1 Gbit/s shared by the two lines of dimension 1
+            assert 0.05e9 < 1 / profile.dims[1].link.beta < 0.15e9
+            assert sorted(r["bytes"] for r in each) == [1 << 20, 4 << 20, 16 << 20]
         assert all(r["correct"] for r in rows)
-        attempts.append((_misses(rows), rows))
-        if not attempts[-1][0]:
+        attempts.append(_misses(rows))
+        if not attempts[-1]:
             return
     pytest.fail(f"outside the bounds in both attempts: {attempts}")

@@ -58,6 +58,23 @@ for shape_tail, label in (((), "2d"), ((3, 2), "4d")):
         sync.eval(), ref.eval()
         close(f"eval/{label}/m={momentum}", sync(xs[R]), ref(xs[R]))
 
+# float32 (the statistics in the input's dtype, combined in float64): a mean far from 0
+gen = torch.Generator().manual_seed(11)
+rows = [r + 2 for r in range(N)]
+xs = [(torch.randn((n, 4, 3, 3), generator=gen) * 2 + 50).float() for n in rows]
+gs = [torch.randn((n, 4, 3, 3), generator=gen).float() for n in rows]
+sync, ref = hvd.SyncBatchNorm(4).float(), torch.nn.BatchNorm2d(4).float()
+x = xs[R].clone().requires_grad_(True)
+out = sync(x)
+(out * gs[R]).sum().backward()
+xa = torch.cat(xs).clone().requires_grad_(True)
+outa = ref(xa)
+(outa * torch.cat(gs)).sum().backward()
+lo = sum(rows[:R])
+close("float32/out", out.detach(), outa.detach()[lo:lo + rows[R]], tol=1e-4)
+close("float32/dx", x.grad, xa.grad[lo:lo + rows[R]], tol=1e-4)
+close("float32/running_var", sync.running_var, ref.running_var, tol=1e-5)
+
 try:
     hvd.SyncBatchNorm(3)(torch.zeros(3))
     failed.append("1d input accepted")
