@@ -72,7 +72,8 @@ def test_dry_run_prints_commands_and_env_and_starts_nothing(tmp_path):
     assert "job dry1: 4 ranks on 2 host(s)" in out
     assert "DDL_OPTIONS='-mode r:2x2'" in out
     assert "[3] env: the remote login environment + common env + DDL_HOST_INDEX=1 GROUP_RANK=1 " \
-        "LOCAL_RANK=1" in out
+        "HOROVOD_CROSS_RANK=1 HOROVOD_CROSS_SIZE=2 HOROVOD_LOCAL_RANK=1 HOROVOD_LOCAL_SIZE=2 " \
+        "HOROVOD_RANK=3 LOCAL_RANK=1" in out
     assert "FOO=bar" in out and "GLOO_SOCKET_IFNAME=eth1" in out
     assert out.count("command: ssh -T") == 2 and "-- nodeB" in out
     assert not victim.exists()
