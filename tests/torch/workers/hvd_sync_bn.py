@@ -21,6 +21,19 @@ def close(name, got, want, tol=1e-9):
         failed.append(f"{name}: max diff {diff}")
 
 
+def both(sync, ref, xs, gs, rows):
+    """One step of ``sync`` on this rank's batch and of ``ref`` on the whole batch: this
+    rank's (output, input gradient) from each."""
+    x = xs[R].clone().requires_grad_(True)
+    out = sync(x)
+    (out * gs[R]).sum().backward()
+    xa = torch.cat(xs).clone().requires_grad_(True)
+    outa = ref(xa)
+    (outa * torch.cat(gs)).sum().backward()
+    mine = slice(sum(rows[:R]), sum(rows[:R + 1]))
+    return out.detach(), x.grad, outa.detach()[mine], xa.grad[mine]
+
+
 for shape_tail, label in (((), "2d"), ((3, 2), "4d")):
     C = 5
     rows = [r + 2 for r in range(N)]  # unequal per-rank batches
@@ -36,16 +49,10 @@ for shape_tail, label in (((), "2d"), ((3, 2), "4d")):
             sync.weight.copy_(w), ref.weight.copy_(w)
             sync.bias.fill_(0.25), ref.bias.fill_(0.25)
         for step in range(2):
-            x = xs[R].clone().requires_grad_(True)
-            out = sync(x)
-            (out * gs[R]).sum().backward()
-            xa = torch.cat(xs).clone().requires_grad_(True)
-            outa = ref(xa)
-            (outa * torch.cat(gs)).sum().backward()
-            lo = sum(rows[:R])
+            out, dx, out_ref, dx_ref = both(sync, ref, xs, gs, rows)
             tag = f"{label}/m={momentum}/step{step}"
-            close(f"out/{tag}", out.detach(), outa.detach()[lo:lo + rows[R]])
-            close(f"dx/{tag}", x.grad, xa.grad[lo:lo + rows[R]])
+            close(f"out/{tag}", out, out_ref)
+            close(f"dx/{tag}", dx, dx_ref)
             dw = hvd.allreduce(sync.weight.grad.clone(), op=hvd.Sum)
             db = hvd.allreduce(sync.bias.grad.clone(), op=hvd.Sum)
             close(f"dweight/{tag}", dw, ref.weight.grad)
@@ -64,15 +71,9 @@ rows = [r + 2 for r in range(N)]
 xs = [(torch.randn((n, 4, 3, 3), generator=gen) * 2 + 50).float() for n in rows]
 gs = [torch.randn((n, 4, 3, 3), generator=gen).float() for n in rows]
 sync, ref = hvd.SyncBatchNorm(4).float(), torch.nn.BatchNorm2d(4).float()
-x = xs[R].clone().requires_grad_(True)
-out = sync(x)
-(out * gs[R]).sum().backward()
-xa = torch.cat(xs).clone().requires_grad_(True)
-outa = ref(xa)
-(outa * torch.cat(gs)).sum().backward()
-lo = sum(rows[:R])
-close("float32/out", out.detach(), outa.detach()[lo:lo + rows[R]], tol=1e-4)
-close("float32/dx", x.grad, xa.grad[lo:lo + rows[R]], tol=1e-4)
+out, dx, out_ref, dx_ref = both(sync, ref, xs, gs, rows)
+close("float32/out", out, out_ref, tol=1e-4)
+close("float32/dx", dx, dx_ref, tol=1e-4)
 close("float32/running_var", sync.running_var, ref.running_var, tol=1e-5)
 
 try:
