@@ -1,9 +1,15 @@
-"""Horovod's PyTorch MNIST example, unchanged except the import (and synthetic data, since
-nothing is downloaded here). Run it like a Horovod script, through ddlrun:
+"""A rewrite of Horovod's PyTorch MNIST example (``examples/pytorch/pytorch_mnist.py`` in
+horovod/horovod, v0.28): the same model and the same ``hvd`` calls in the same order, so
+it shows how a Horovod script ports. It is not Horovod's file and the code is our own: the
+data are synthetic (the original downloads MNIST through torchvision, which neither imports
+beside the pinned CPU torch nor can download here; ``--num-samples`` is ours), and it
+leaves out the original's mixed-precision path, ``--data-dir`` and its ``horovod.run``
+mode. Run it like a Horovod script, through ddlrun:
 
     ddlrun -n 2 python examples/torch_horovod_mnist.py --epochs 1
 
-With real Horovod the same file runs with ``import horovod.torch as hvd``.
+docs/pytorch.md ("Horovod's own examples, unchanged") shows how to run Horovod's own
+files, unmodified, on ddl.torch.
 """
 
 import argparse
