@@ -1,6 +1,7 @@
 """ddl.torch across real processes: the "ddl" torch.distributed backend against gloo, the
 Horovod-compatible API and DistributedOptimizer against one big-batch process, failures,
-and unchanged Horovod / torchrun scripts under ddlrun."""
+a Horovod-style script (our rewrite of Horovod's MNIST example) and an unchanged torchrun
+script under ddlrun."""
 
 import os
 
@@ -65,7 +66,7 @@ def test_ddlrun_exits_non_zero_when_a_rank_fails():
 
 
 @pytest.mark.slow
-def test_a_horovod_script_runs_unchanged_but_for_the_import():
+def test_the_horovod_style_mnist_example_trains_under_ddlrun():
     proc = ddlrun(2, [os.path.join(EXAMPLES, "torch_horovod_mnist.py"), "--epochs", "1",
                       "--num-samples", "512", "--fp16-allreduce"], timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
