@@ -248,6 +248,18 @@ def test_a_parser_of_nccl_tests_output_reads_ours(capsys):
     assert all(r["time"] > 0 and r["ip_time"] > 0 for r in ours) and avg >= 0
 
 
+def test_the_header_states_b_and_e_as_given_like_nccl_tests():
+    """nccl-tests prints -b/-e in its header, not the last size the sweep reached:
+    -b 8 -e 1M -f 4 visits 8 .. 524288 and says maxBytes 1048576, here and in the JSON."""
+    from ddl.perf import cli
+
+    p = cli.build_parser()
+    cfg = cli._config(p.parse_args(["allreduce", "-b", "8", "-e", "1M", "-f", "4"]), p)
+    assert max(cfg.sizes) == 524288 and cfg.bounds == (8, 1 << 20)
+    line = ar.header(cfg, 2, [], "test")[2]
+    assert line.startswith("# nRanks 2 minBytes 8 maxBytes 1048576 step: 4(factor) ")
+
+
 def test_the_harness_costs_under_two_microseconds_per_timed_call(capsys):
     """The measurement must not be what the table shows: the timed loop on a collective
     that does nothing costs under 2 us per call at 1 KiB (the issue's bound), and every

@@ -332,6 +332,14 @@ class Config:
     step: int = 1 << 20
     json_path: str | None = None
     argv: tuple[str, ...] = ()
+    # -b/-e as given: nccl-tests' header prints these, not the last size the sweep reached
+    min_bytes: int | None = None
+    max_bytes: int | None = None
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return (min(self.sizes) if self.min_bytes is None else self.min_bytes,
+                max(self.sizes) if self.max_bytes is None else self.max_bytes)
 
 
 @dataclass
@@ -423,7 +431,7 @@ def header(cfg: Config, nranks: int, devices: Sequence[str], describe: str) -> l
         f"{COLLECTIVES[cfg.collective].nccl_name}) on {platform.node()} "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}",
         f"# {describe}",
-        f"# nRanks {nranks} minBytes {min(cfg.sizes)} maxBytes {max(cfg.sizes)} step: {step} "
+        f"# nRanks {nranks} minBytes {cfg.bounds[0]} maxBytes {cfg.bounds[1]} step: {step} "
         f"warmup iters: {cfg.warmup} iters: {cfg.iters} agg iters: 1 validation: {cfg.check} "
         f"graph: 0 device: {cfg.device}",
         "#", "# Using devices", *devices, "#",
@@ -512,8 +520,8 @@ def _write_json(cfg: Config, nranks: int, devices: Sequence[str], rec: Record,
     doc = {
         "version": 2, "tool": "ddl-perf", "collective": cfg.collective,
         "end_time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": list(cfg.argv),
-        "config": {"nranks": nranks, "minimum_bytes": min(cfg.sizes),
-                   "maximum_bytes": max(cfg.sizes),
+        "config": {"nranks": nranks, "minimum_bytes": cfg.bounds[0],
+                   "maximum_bytes": cfg.bounds[1],
                    **({"step_factor": cfg.factor} if cfg.factor > 1
                       else {"step_bytes": cfg.step}),
                    "warmup_iters": cfg.warmup, "iterations": cfg.iters,

@@ -173,7 +173,8 @@ def _config(args: argparse.Namespace, p: argparse.ArgumentParser):
         collective=args.cmd, sizes=tuple(sizes), iters=args.iters, warmup=args.warmup_iters,
         check=args.check, dtype=dtype, op=args.op if reduces else "sum", root=args.root,
         device=args.device, engines=tuple(_engines(args)), factor=args.stepfactor,
-        step=args.stepbytes, json_path=args.json, argv=tuple(sys.argv))
+        step=args.stepbytes, json_path=args.json, argv=tuple(sys.argv),
+        min_bytes=args.minbytes, max_bytes=args.maxbytes)
 
 
 def _forward(args: argparse.Namespace, json_path: str | None) -> list[str]:
