@@ -308,3 +308,64 @@ def test_calibrate_times_calls_back_to_back_the_same_count_on_every_rank():
     assert [b for b, _ in rows] == [4096, 8192]
     for _, t in rows:
         assert t == pytest.approx((0.001 + 49 * 0.004) / 50)
+
+
+def _scaling_json(tmp_path, *flags: str) -> dict:
+    path = tmp_path / "s.json"
+    assert main(["simulate", "--scaling", "both", "--json", str(path), *flags]) == 0
+    return json.loads(path.read_text())
+
+
+def test_simulate_describes_a_cluster_and_a_model_of_ones_own(tmp_path, capsys):
+    """Every figure of the training model comes from a flag when given: the grid, the links
+    per dimension, the GPU's compute, the model's size and FLOPs; the preset's paper is
+    then not printed as if it were this cluster's."""
+    base = _scaling_json(tmp_path, "--preset", "powerai-2017")
+    assert base["published"]["efficiency"] == 0.95
+    doc = _scaling_json(tmp_path, "--grid", "8x32x4", "--links",
+                        "nvlink,2e-6,450e9,1.1e12;ib,5e-6,50e9,1.1e12", "--peak-tflops",
+                        "989", "--utilization", "0.4", "--params", "124M", "--grad-bytes",
+                        "2", "--flops-per-sample", "1.5T", "--batch", "16", "--overlap",
+                        "0.8", "--global-batch", "4096")
+    out = capsys.readouterr().out
+    assert doc["published"] is None and "published" not in out.split("custom cluster")[-1]
+    assert "custom cluster (from powerai-2017: --grid 8x32x4" in doc["cluster"]
+    assert "gradient 248.0 MB, 395.6 TFLOP/s achieved per GPU" in out
+    weak = {p["gpus"]: p for p in doc["series"]["weak"]}
+    assert weak[8]["grid"] == [8] and weak[256]["grid"] == [8, 32]
+    assert weak[1024]["grid"] == [8, 32, 4]
+    # compute per step: 1.5 TFLOP x 16 / (989 T x 0.4)
+    assert weak[1]["compute_s"] == pytest.approx(1.5e12 * 16 / (989e12 * 0.4))
+    # the allreduce is the cost model's on these links, for 124 M bf16 gradients
+    c = PRESETS["powerai-2017"].with_(
+        gpus_per_host=8, hosts_per_rack=32, racks=4, params=124_000_000, bytes_per_grad=2,
+        links=(cost.Link(2e-6, 1 / 450e9, 1 / 1.1e12),) + (cost.Link(5e-6, 1 / 50e9,
+                                                                     1 / 1.1e12),) * 2,
+        algorithms=("best",) * 3)
+    assert weak[1024]["comm_s"] == pytest.approx(simulate.comm_time(c, (8, 32, 4)))
+    # strong scaling ends where a GPU would get less than one sample
+    assert [p["gpus"] for p in doc["series"]["strong"]][-1] == 4096
+    assert doc["series"]["strong"][-1]["batch_per_gpu"] == 1
+    assert "strong scaling stops at 4096 GPUs" in out
+
+
+def test_simulate_refuses_flags_it_would_ignore(tmp_path, capsys):
+    assert main(["simulate", "--params", "25M"]) == 2
+    assert "--params describes training scaling" in capsys.readouterr().err
+    assert main(["simulate", "--preset", "goyal-2017", "--sizes", "1M"]) == 2
+    assert "--sizes is for allreduce time" in capsys.readouterr().err
+    assert main(["simulate", "--scaling", "weak", "--grid", "4x0"]) == 2
+    assert "--grid '4x0'" in capsys.readouterr().err
+    assert main(["simulate", "--scaling", "weak", "--overlap", "1.5"]) == 2
+    assert main(["simulate", "--grid", "2x2", "--links", "net,1e-6"]) == 2
+    assert "want name,alpha_seconds,bytes_per_second" in capsys.readouterr().err
+
+
+def test_simulate_plots_in_both_modes(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["simulate", "--grid", "2x2", "--sizes", "1M,16M", "--plot",
+                 str(tmp_path / "a.svg")]) == 0
+    assert "predicted (lines) vs measured (points)" in (tmp_path / "a.svg").read_text()
+    assert main(["simulate", "--preset", "goyal-2017", "--plot", str(tmp_path / "s.svg")]) == 0
+    svg = (tmp_path / "s.svg").read_text()
+    assert "predicted: DDL multi-dim, strong" in svg and "Goyal et al." in svg

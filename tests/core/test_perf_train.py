@@ -271,6 +271,25 @@ def test_plot_draws_predictions_and_a_profile(tmp_path):
         plot.render([plot.load(str(tmp_path / "empty.json"))], str(tmp_path / "e.png"))
 
 
+@needs_mpl
+def test_plot_draws_a_measured_scale_against_a_simulated_one(tmp_path):
+    from ddl.perf.cli import main
+
+    assert main(["simulate", "--preset", "powerai-2017", "--scaling", "weak", "--gpus", "8",
+                 "--json", str(tmp_path / "sim.json")]) == 0
+    doc = json.loads((tmp_path / "sim.json").read_text())
+    assert plot.kind_of(doc) == plot.SIM_SCALING
+    scale = _doc(1, 0.5)
+    scale = {**scale, "tool": "ddl-perf", "kind": "scale", "unit": "images",
+             "points": [{"ranks": 1, "throughput": 16.0}, {"ranks": 2, "throughput": 24.0}]}
+    assert plot.measured_efficiency(scale)[1:] == ([1, 2], [1.0, 0.75])
+    (tmp_path / "scale.json").write_text(json.dumps(scale))
+    plot.render([plot.load(str(tmp_path / n)) for n in ("sim.json", "scale.json")],
+                str(tmp_path / "p.svg"))
+    svg = (tmp_path / "p.svg").read_text()
+    assert "predicted: DDL multi-dim, weak" in svg and "measured: resnet50" in svg
+
+
 @pytest.mark.skipif(HAVE_MPL, reason="matplotlib is installed: its absence cannot be seen")
 def test_without_matplotlib_plot_says_so_in_one_line():
     with pytest.raises(plot.PlotError, match="needs matplotlib"):

@@ -2,7 +2,9 @@
 one line per engine (log-log), from ``ddl-perf allreduce`` & co ``--json`` files;
 throughput against ranks with the ideal line from ``ddl-perf scale --json`` files; the
 simulator's predicted allreduce time against the measured one, from ``ddl-perf simulate
---json`` with the ``allreduce --json`` files of the same call; and a cost profile's fit
+--json`` with the ``allreduce --json`` files of the same call; predicted scaling efficiency
+from ``simulate --preset/--scaling --json``, with the efficiency of the ``scale --json``
+files of the same call on it; and a cost profile's fit
 against what calibrate measured (``ddl-perf calibrate -o`` files). Which kind a file is
 comes from the file (``kind_of``); each kind present gives one panel.
 
@@ -24,6 +26,7 @@ class PlotError(Exception):
 
 
 COLLECTIVE, SCALE, SIMULATE, PROFILE = "collective", "scale", "simulate", "profile"
+SIM_SCALING = "simulate-scaling"
 
 
 def kind_of(doc: Any) -> str:
@@ -37,6 +40,8 @@ def kind_of(doc: Any) -> str:
             return SCALE
         if len(items) == 1 and items[0].get("kind") == SIMULATE and "rows" in items[0]:
             return SIMULATE
+        if len(items) == 1 and items[0].get("kind") == SIM_SCALING and "series" in items[0]:
+            return SIM_SCALING
         if len(items) == 1 and items[0].get("kind") == "train":
             raise PlotError("a single `ddl-perf train --json` result has nothing to draw "
                             "against: plot the output of `ddl-perf scale --json`")
@@ -44,7 +49,7 @@ def kind_of(doc: Any) -> str:
         return PROFILE  # ddl-perf calibrate -o (checked in full when drawn)
     raise PlotError("not a ddl-perf result: want the --json of ddl-perf allreduce (or "
                     "allgather, broadcast, reduce_scatter, alltoall), of ddl-perf scale or "
-                    "of ddl-perf simulate --grid, or a ddl-perf calibrate profile")
+                    "of ddl-perf simulate, or a ddl-perf calibrate profile")
 
 
 def load(path: str) -> tuple[str, Any]:
@@ -87,6 +92,13 @@ def scale_series(doc: dict) -> tuple[str, list[int], list[float], list[float]]:
     label = f"{doc['model']} via {doc['via']} ({doc['precision']})"
     return (label, [p["ranks"] for p in pts], [p["throughput"] for p in pts],
             [per_rank0 * p["ranks"] for p in pts])
+
+
+def measured_efficiency(doc: dict) -> tuple[str, list[int], list[float]]:
+    """(label, ranks, scaling efficiency against the fewest ranks) of a scale document:
+    what a predicted scaling curve is drawn against."""
+    label, ranks, got, ideal = scale_series(doc)
+    return f"measured: {label}", ranks, [t / i for t, i in zip(got, ideal)]
 
 
 def measured_times(docs: Sequence[Any], in_place: bool = False
@@ -212,6 +224,30 @@ def draw_prediction(ax: Any, sims: Sequence[dict], coll: Sequence[Any], in_place
     _time_axes(ax, "allreduce: predicted (lines) vs measured (points)")
 
 
+def draw_sim_scaling(ax: Any, sims: Sequence[dict], scales: Sequence[dict]) -> None:
+    for doc in sims:
+        for kind, points in doc["series"].items():
+            xs = [p["gpus"] for p in points]
+            line = ax.plot(xs, [p["efficiency"] for p in points], marker="o",
+                           label=f"predicted: DDL multi-dim, {kind}")[0]
+            ax.plot(xs, [p["flat_efficiency"] for p in points], linestyle="--",
+                    color=line.get_color(), label=f"predicted: flat ring, {kind}")
+        pub = doc.get("published")
+        if pub:
+            ax.scatter([pub["gpus"]], [pub["efficiency"]], marker="*", s=160, color="black",
+                       zorder=5, label=f"published ({pub['source']})")
+    for doc in scales:
+        label, ranks, eff = measured_efficiency(doc)
+        ax.plot(ranks, eff, marker="s", linestyle=":", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("GPUs (ranks)")
+    ax.set_ylabel("scaling efficiency")
+    ax.set_title("; ".join(d["cluster"] for d in sims), fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def draw_profile(ax: Any, docs: Sequence[dict]) -> None:
     drawn = 0
     for doc in docs:
@@ -231,12 +267,13 @@ def draw_profile(ax: Any, docs: Sequence[dict]) -> None:
 
 def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) -> None:
     """Draw the loaded (kind, document) pairs into ``out`` (.png or .svg): one panel per
-    kind present. Allreduce files given with a simulate file are also drawn against it."""
+    kind present. Allreduce files given with a simulate file are also drawn against it,
+    and scale files' efficiency against a simulated scaling."""
     if not out.lower().endswith((".png", ".svg")):
         raise PlotError(f"-o {out}: give a .png or .svg file name")
     Figure = _figure_cls()
     of = {kind: [d for k, d in loaded if k == kind] for kind in
-          (COLLECTIVE, SCALE, SIMULATE, PROFILE)}
+          (COLLECTIVE, SCALE, SIMULATE, SIM_SCALING, PROFILE)}
     panels = [kind for kind, docs in of.items() if docs]
     fig = Figure(figsize=(7 * len(panels), 5), layout="constrained")
     for ax, kind in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
@@ -246,6 +283,8 @@ def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) 
             draw_scale(ax, of[kind])
         elif kind == SIMULATE:
             draw_prediction(ax, of[kind], of[COLLECTIVE], in_place)
+        elif kind == SIM_SCALING:
+            draw_sim_scaling(ax, of[kind], of[SCALE])
         else:
             draw_profile(ax, of[kind])
     fig.savefig(out)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import config, cost
@@ -81,15 +82,21 @@ def allreduce_row(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: 
 
 
 def links_from_spec(text: str) -> list[tuple[str, cost.Link]]:
-    """--links: ``name,alpha seconds,bytes/s`` per dimension, ';'-separated."""
+    """--links: ``name,alpha seconds,bytes/s[,reduce bytes/s]`` per dimension,
+    ';'-separated. The optional fourth field is how fast one rank reduces (a GPU's: about
+    its memory bandwidth / 3); without it, one CPU core's ``np.add``."""
     out = []
     for spec in text.split(";"):
         try:
-            name, alpha, bw = spec.split(",")
-            out.append((name.strip(), cost.Link(alpha=float(alpha), beta=1 / float(bw))))
+            name, alpha, bw, *rest = spec.split(",")
+            if len(rest) > 1 or float(alpha) < 0 or float(bw) <= 0:
+                raise ValueError
+            gamma = {"gamma": 1 / float(rest[0])} if rest else {}
+            out.append((name.strip(), cost.Link(alpha=float(alpha), beta=1 / float(bw),
+                                                **gamma)))
         except (ValueError, ZeroDivisionError):
-            raise ValueError(f"--links {spec!r}: want name,alpha_seconds,bytes_per_second "
-                             "(e.g. net,50e-6,12.5e9)") from None
+            raise ValueError(f"--links {spec!r}: want name,alpha_seconds,bytes_per_second"
+                             "[,reduce_bytes_per_second] (e.g. net,50e-6,12.5e9)") from None
     return out
 
 
@@ -183,48 +190,150 @@ def relative_to(points: list[Point], base_gpus: int, gpus: int) -> float:
 
 
 # --------------------------------------------------------------------------- CLI
+def _count(text: str) -> float:
+    """A count with an optional decimal suffix: 25.6M parameters, 24.6G FLOPs."""
+    units = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+    t = text.strip().upper()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a number with an optional K, M, "
+                                         "G, T or P suffix, e.g. 25.6M") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def parse_grid(text: str) -> list[int]:
+    try:
+        sizes = [int(d) for d in text.lower().split("x")]
+    except ValueError:
+        sizes = []
+    if not 1 <= len(sizes) <= 3 or min(sizes) < 1:
+        raise ValueError(f"--grid {text!r}: want 1 to 3 positive sizes joined by x, "
+                         "GPUs per host x hosts per rack x racks (e.g. 4x16x4)")
+    return sizes
+
+
+# flags that describe the training run: what --preset/--scaling use, refused without them
+SCALING_FLAGS = ("gpus", "peak_tflops", "utilization", "params", "grad_bytes",
+                 "flops_per_sample", "batch", "overlap", "global_batch")
+# flags that change the cluster or the model: the preset's published figure no longer applies
+DESCRIBING_FLAGS = ("grid", "links", "profile", "chunk_bytes", "peak_tflops", "utilization",
+                    "params", "grad_bytes", "flops_per_sample")
+
+
 def add_arguments(sm: argparse.ArgumentParser) -> None:
-    sm.add_argument("--grid", default="4x16x4", help="ranks per host x hosts per rack x racks")
-    sm.add_argument("--sizes", default="1M,16M,100M,1G")
-    sm.add_argument("--links", default="shm,10e-6,5e9;net,50e-6,12.5e9;net,50e-6,12.5e9",
-                    help="per dimension: name,alpha seconds,bytes/s (';'-separated); "
-                         "name shm = shared memory, anything else a network dimension "
-                         "(mode b picks its algorithm); default: shared memory, then "
-                         "100 Gb/s links")
+    sm.add_argument("--grid", help="ranks per host x hosts per rack x racks (allreduce "
+                                   "default: 4x16x4; with --preset/--scaling it replaces the "
+                                   "preset's GPUs per host x hosts per rack x racks)")
+    sm.add_argument("--sizes", help="allreduce message sizes (default: 1M,16M,100M,1G)")
+    sm.add_argument("--links", help="per dimension: name,alpha seconds,bytes/s"
+                                    "[,reduce bytes/s] (';'-separated, the last repeated for "
+                                    "further dimensions); name shm = shared memory, ring, hd "
+                                    "or native = that algorithm, anything else a network "
+                                    "dimension (mode b picks its algorithm); allreduce "
+                                    "default: shared memory, then 100 Gb/s links")
     sm.add_argument("--profile", metavar="PROFILE.json",
-                    help="links from `ddl-perf calibrate` (default: DDL_COST_PROFILE when "
-                         "set; overrides --links)")
+                    help="links from `ddl-perf calibrate` (allreduce default: "
+                         "DDL_COST_PROFILE when set; overrides --links)")
     sm.add_argument("--chunk-bytes", type=config._size, default=None, metavar="BYTES",
                     help="pipeline chunk, as DDL_CHUNK_BYTES (default: its value, 8M)")
-    sm.add_argument("--preset", choices=sorted(PRESETS),
-                    help="training scaling of a published cluster, next to its paper")
-    sm.add_argument("--scaling", choices=("weak", "strong", "both"),
-                    help="training scaling table (default with --preset: both)")
-    sm.add_argument("--gpus", type=int, metavar="N", help="largest GPU count (10240)")
-    sm.add_argument("--overlap", type=float, help="override: fraction of backward that "
-                                                  "communication hides behind (0..1)")
-    sm.add_argument("--global-batch", type=int, metavar="B",
-                    help="override: strong scaling's cap on the global batch")
-    sm.add_argument("--batch", type=int, help="override: samples per GPU")
+    sm.add_argument("--plot", metavar="FILE.png|.svg",
+                    help="also draw it: time vs size, or efficiency vs GPUs")
     sm.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    sm.add_argument("--plot", metavar="FILE.png", help="also draw efficiency vs GPUs")
+    tr = sm.add_argument_group(
+        "training scaling", "A preset's cluster and model (--preset, default powerai-2017), "
+        "each flag replacing one of its figures")
+    tr.add_argument("--preset", choices=sorted(PRESETS),
+                    help="training scaling of a published cluster, next to its paper")
+    tr.add_argument("--scaling", choices=("weak", "strong", "both"),
+                    help="training scaling table (default with --preset: both)")
+    tr.add_argument("--gpus", type=int, metavar="N", help="largest GPU count (10240)")
+    tr.add_argument("--peak-tflops", type=_count, metavar="F",
+                    help="per GPU, in the precision trained in")
+    tr.add_argument("--utilization", type=float, metavar="U",
+                    help="achieved fraction of the peak (0..1]")
+    tr.add_argument("--params", type=_count, metavar="N", help="model parameters (25.6M)")
+    tr.add_argument("--grad-bytes", type=int, choices=(1, 2, 4, 8),
+                    help="bytes per gradient element allreduced (4: fp32, 2: bf16/fp16)")
+    tr.add_argument("--flops-per-sample", type=_count, metavar="F",
+                    help="training FLOPs per sample, forward + backward (ResNet-50: 24.6G)")
+    tr.add_argument("--batch", type=int, metavar="B", help="samples per GPU")
+    tr.add_argument("--overlap", type=float, metavar="F",
+                    help="fraction of backward that communication hides behind (0..1)")
+    tr.add_argument("--global-batch", type=int, metavar="B",
+                    help="strong scaling's cap on the global batch")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, dests: Sequence[str]) -> list[str]:
+    return [d for d in dests if getattr(args, d, None) is not None]
+
+
+def _algorithm(name: str) -> str:
+    """A --links or profile dimension name as a Cluster algorithm: shm and the fixed network
+    algorithms stay, anything else is mode b's pick."""
+    return name if name in ("shm", "ring", "hd", "native") else "best"
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
-    c = PRESETS[args.preset or "powerai-2017"]
-    for flag, fieldname in (("overlap", "overlap"), ("global_batch", "global_batch_cap"),
-                            ("batch", "batch_per_gpu")):
-        value = getattr(args, flag)
+    """The preset (default powerai-2017) with each flag given replacing its figure."""
+    base = PRESETS[args.preset or "powerai-2017"]
+    changes: dict = {}
+    if args.grid is not None:
+        dims = parse_grid(args.grid) + [1, 1]
+        changes.update(gpus_per_host=dims[0], hosts_per_rack=dims[1], racks=dims[2])
+    if args.profile is not None or args.links is not None:
+        named = (links_from_profile(cost.load_profile(args.profile), 3) if args.profile
+                 else links_from_spec(args.links))
+        named = (named + [named[-1]] * 3)[:3]
+        changes.update(links=tuple(lk for _, lk in named),
+                       algorithms=tuple(_algorithm(n) for n, _ in named))
+    if args.peak_tflops is not None:
+        changes["peak_flops"] = args.peak_tflops * 1e12
+    if args.utilization is not None:
+        if not 0 < args.utilization <= 1:
+            raise ValueError(f"--utilization {args.utilization}: want a fraction in (0, 1]")
+        changes["utilization"] = args.utilization
+    if args.overlap is not None:
+        if not 0 <= args.overlap <= 1:
+            raise ValueError(f"--overlap {args.overlap}: want a fraction in [0, 1]")
+        changes["overlap"] = args.overlap
+    for dest, fieldname in (("params", "params"), ("grad_bytes", "bytes_per_grad"),
+                            ("flops_per_sample", "train_flops_per_sample"),
+                            ("batch", "batch_per_gpu"), ("global_batch", "global_batch_cap"),
+                            ("chunk_bytes", "chunk_bytes")):
+        value = getattr(args, dest)
         if value is not None:
-            c = c.with_(**{fieldname: value})
-    return c
+            if value < 1:
+                raise ValueError(f"{_flag(dest)} {value}: must be at least 1")
+            changes[fieldname] = int(value) if dest != "flops_per_sample" else value
+    if not changes:
+        return base
+    described = _given(args, DESCRIBING_FLAGS)
+    words = " ".join(f"{_flag(d)} {getattr(args, d)}"
+                     for d in _given(args, dict.fromkeys(DESCRIBING_FLAGS + SCALING_FLAGS))
+                     if d != "gpus")
+    if described:  # another cluster or model: the paper's figure is not its prediction
+        return base.with_(name=f"custom cluster (from {args.preset or 'powerai-2017'}: "
+                               f"{words})", published=None, notes=(), **changes)
+    return base.with_(name=f"{base.name}; {words}", **changes)
 
 
 def simulate_main(args: argparse.Namespace) -> int:
+    scaling = bool(args.preset or args.scaling)
     try:
-        if args.preset or args.scaling:
-            return _scaling(args)
-        return _allreduce(args)
+        if not scaling and _given(args, SCALING_FLAGS):
+            raise ValueError(f"{_flag(_given(args, SCALING_FLAGS)[0])} describes training "
+                             "scaling: add --scaling weak|strong|both or --preset NAME")
+        if scaling and args.sizes is not None:
+            raise ValueError("--sizes is for allreduce time on a grid: drop --preset and "
+                             "--scaling, or drop --sizes")
+        return _scaling(args) if scaling else _allreduce(args)
     except (ValueError, DDLConfigError) as exc:
         print(f"ddl-perf simulate: {exc}", file=sys.stderr)
         return 2
@@ -235,7 +344,8 @@ def _allreduce(args: argparse.Namespace) -> int:
 
     from .cli import _sizes
 
-    sizes = [int(d) for d in args.grid.split("x")]
+    grid = args.grid or "4x16x4"
+    sizes = parse_grid(grid)
     profile = (cost.load_profile(args.profile) if args.profile else cost.env_profile())
     overhead = 0.0
     if profile is not None:
@@ -245,13 +355,15 @@ def _allreduce(args: argparse.Namespace) -> int:
             overhead = profile.call_overhead_s
         source = f"profile {args.profile or config.get('DDL_COST_PROFILE')} ({profile.machine})"
     else:
-        links = links_from_spec(args.links)
+        links = links_from_spec(args.links or
+                                "shm,10e-6,5e9;net,50e-6,12.5e9;net,50e-6,12.5e9")
         links += [links[-1]] * (len(sizes) - len(links))
         links = links[: len(sizes)]
         source = "--links"
     chunk = args.chunk_bytes or config.get("DDL_CHUNK_BYTES")
-    rows = [allreduce_row(sizes, links, n, chunk, overhead) for n in _sizes(args.sizes)]
-    print(f"# ddl-perf simulate: grid {args.grid} = {math.prod(sizes)} ranks; alpha-beta "
+    rows = [allreduce_row(sizes, links, n, chunk, overhead)
+            for n in _sizes(args.sizes or "1M,16M,100M,1G")]
+    print(f"# ddl-perf simulate: grid {grid} = {math.prod(sizes)} ranks; alpha-beta "
           f"model (ddl/cost.py), links from {source}, {chunk >> 10} KiB chunks")
     print(f"# {'size':>10} {'flat ring':>12} {'multi-dim':>12} {'pipelined':>12} {'gain':>6}"
           "  algorithms")
@@ -259,10 +371,12 @@ def _allreduce(args: argparse.Namespace) -> int:
         print(f"  {r['bytes']:>10} {r['flat_s'] * 1e3:>10.2f}ms {r['multidim_s'] * 1e3:>10.2f}ms"
               f" {r['pipelined_s'] * 1e3:>10.2f}ms {r['flat_s'] / r['pipelined_s']:>5.1f}x  "
               f"{','.join(r['algorithms'])}")
+    doc = {"tool": "ddl-perf", "kind": "simulate", "grid": sizes, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tool": "ddl-perf", "kind": "simulate", "grid": sizes, "rows": rows},
-                      f, indent=1)
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        _draw(args.plot, [("simulate", doc)])
     return 0
 
 
@@ -273,18 +387,44 @@ def _scaling(args: argparse.Namespace) -> int:
     kinds = {"weak": ["weak"], "strong": ["strong"]}.get(args.scaling or "both",
                                                           ["weak", "strong"])
     counts = gpu_counts(c, args.gpus)
-    series = {k: [step(c, n, k == "strong") for n in counts] for k in kinds}
+    # past the cap a GPU would get less than one sample: strong scaling ends there
+    usable = [n for n in counts if not c.global_batch_cap or n <= c.global_batch_cap]
+    series = {k: [step(c, n, k == "strong") for n in (usable if k == "strong" else counts)]
+              for k in kinds}
     _print_scaling(c, series)
+    if "strong" in kinds and len(usable) < len(counts):
+        print(f"# strong scaling stops at {usable[-1]} GPUs: beyond the global batch cap "
+              f"({c.global_batch_cap}) a GPU would get less than one sample")
     if c.published and c.published.gpus in counts:
         _print_published(c, series[kinds[0]])
+    doc = scaling_doc(c, series)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tool": "ddl-perf", "kind": "simulate-scaling", "cluster": c.name,
-                       "series": {k: [p.__dict__ for p in v] for k, v in series.items()}},
-                      f, indent=1, default=list)
+            json.dump(doc, f, indent=1, default=list)
     if args.plot:
-        _plot(c, series, args.plot)
+        _draw(args.plot, [("simulate-scaling", doc)])
     return 0
+
+
+def scaling_doc(c: Cluster, series: dict[str, list[Point]]) -> dict:
+    """The JSON twin of a scaling table, which ``ddl-perf plot`` draws."""
+    pub = c.published
+    return {"tool": "ddl-perf", "kind": "simulate-scaling", "cluster": c.name,
+            "published": None if pub is None else {
+                "efficiency": pub.efficiency, "gpus": pub.gpus,
+                "baseline_gpus": pub.baseline_gpus, "source": pub.source},
+            "series": {k: [dict(p.__dict__, grid=list(p.grid)) for p in v]
+                       for k, v in series.items()}}
+
+
+def _draw(path: str, loaded: list[tuple[str, dict]]) -> None:
+    from .plot import PlotError, render
+
+    try:
+        render(loaded, path)
+    except PlotError as exc:
+        raise ValueError(f"--plot: {exc}") from None
+    print(f"# wrote {path}")
 
 
 def _print_scaling(c: Cluster, series: dict[str, list[Point]]) -> None:
@@ -336,28 +476,3 @@ def explain(predicted: float, published: float) -> str:
     return (f"the model is {-gap:.0%} points pessimistic: its link latencies, bandwidths or "
             "the assumed utilization/overlap are worse than what the run achieved; no "
             "parameter was tuned to close the gap")
-
-
-def _plot(c: Cluster, series: dict[str, list[Point]], path: str) -> None:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.add_subplot()
-    for kind, points in series.items():
-        xs = [p.gpus for p in points]
-        ax.plot(xs, [p.efficiency for p in points], marker="o", label=f"DDL multi-dim, {kind}")
-        ax.plot(xs, [p.flat_efficiency for p in points], linestyle="--",
-                label=f"flat ring, {kind}")
-    if c.published:
-        ax.scatter([c.published.gpus], [c.published.efficiency], marker="*", s=160,
-                   color="black", zorder=5, label=f"published ({c.published.source})")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("scaling efficiency")
-    ax.set_title(c.name, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"# wrote {path}")
