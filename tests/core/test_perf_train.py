@@ -155,6 +155,43 @@ def test_train_flags_round_trip_through_the_forwarded_argv():
     assert scale.job_argv(2, argv, "/x.json")[3:6] == ["-n", "2", "--no-tag-output"]
 
 
+def test_jobs_go_where_the_host_flags_say_with_ddlrun_or_horovodrun(tmp_path, monkeypatch):
+    from ddl.perf import ddlrun_job
+
+    p = cli.build_parser()
+    args = p.parse_args(["scale", "--ranks", "2", "-H", "a:2,b:2", "--launcher-arg=--ssh-port=2222",
+                         *TINY_GPT])
+    launch = ddlrun_job.launch_from_args(args)
+    argv = scale.job_argv(4, train.train_argv(args), "/x.json", 60, launch)
+    ddlrun_part = argv[:argv.index("ddl.perf.cli") - 2]
+    assert ddlrun_part[3:5] == ["-n", "4"] and ddlrun_part[-3:] == [
+        "-H", "a:2,b:2", "--ssh-port=2222"]
+    assert argv[argv.index("ddl.perf.cli") + 1:][:3] == ["train", "--model", "gpt2"]
+    # Horovod's jobs: its venv's horovodrun and python, this ddl first on its PYTHONPATH
+    venv = tmp_path / "hvd"
+    (venv / "bin").mkdir(parents=True)
+    args = p.parse_args(["scale", "--via", "horovod", "--horovod", str(venv), *TINY_GPT])
+    launch = ddlrun_job.launch_from_args(args)
+    with pytest.raises(ValueError, match="no horovodrun in --horovod"):
+        launch.check()
+    (venv / "bin" / "horovodrun").write_text("#!/bin/sh\n")
+    (venv / "bin" / "horovodrun").chmod(0o755)
+    launch.check()
+    argv = scale.job_argv(2, train.train_argv(args), "/x.json", 60, launch)
+    assert argv[:7] == [str(venv / "bin" / "horovodrun"), "-np", "2", "-H", "localhost:2",
+                        "--gloo", str(venv / "bin" / "python")]
+    assert "--via" in argv and argv[argv.index("--via") + 1] == "horovod"
+    import ddl
+
+    root = str(Path(ddl.__file__).resolve().parent.parent)
+    assert launch.env()["PYTHONPATH"].split(os.pathsep)[0] == root
+    with pytest.raises(ValueError, match="--horovod VENV is for --via horovod"):
+        ddlrun_job.launch_from_args(p.parse_args(["scale", "--horovod", str(venv)])).check()
+    # a Horovod that sees fewer ranks than were started is refused, not reported
+    monkeypatch.setenv("HOROVOD_SIZE", "3")
+    assert train._launched_size() == 3
+
+
 def test_bad_train_requests_are_refused_with_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--steps 0: must be >= 1"):
         train.config_from_args(_train_args("--steps", "0"))
@@ -348,6 +385,31 @@ def test_data_dir_of_npy_arrays_and_images_is_read_with_a_dataloader(tmp_path):
                                       num_workers=1)))
     assert xs.shape == (6, 3, 32, 32) and labels.tolist() == [0, 0, 0, 1, 1, 1]
     assert float(xs.min()) >= 0.0 and float(xs.max()) <= 1.0
+
+
+@pytest.mark.slow
+def test_via_horovod_trains_with_the_horovod_module_it_imports(tmp_path):
+    """--via horovod takes whatever ``horovod.torch`` imports: here ddl.torch under that
+    name (Horovod itself is not installed; docs/performance.md has runs with the real one),
+    so the Horovod path of the loop runs for real: its init, ranks, optimizer, barrier."""
+    shim = tmp_path / "shim" / "horovod" / "torch"
+    shim.mkdir(parents=True)
+    (shim.parent / "__init__.py").write_text("")
+    (shim / "__init__.py").write_text("from ddl.torch import *  # noqa: F403\n")
+    out = tmp_path / "h.json"
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(shim.parent.parent),
+                                                             ENV.get("PYTHONPATH")])))
+    res = subprocess.run(_ddlrun(2, "train", *TINY_GPT, *FEW, "--via", "horovod", "--json",
+                                 str(out)), capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(out.read_text())
+    assert doc["via"] == "horovod" and doc["ranks"] == 2
+    assert all(r["wait_s"] is not None for r in doc["per_rank"])
+    res = subprocess.run(_ddlrun(2, "train", *TINY_GPT, *FEW, "--via", "horovod"),
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=ENV)
+    assert res.returncode != 0 and "--via horovod: horovod.torch does not import" in (
+        res.stdout + res.stderr)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import os
 import sys
 
 from .. import config, topology
+from .ddlrun_job import add_launch_arguments
 
 COLLECTIVE_HELP = {
     "allreduce": "allreduce time and busbw (nccl-tests' all_reduce_perf)",
@@ -88,6 +89,7 @@ def _add_collective(sub: argparse._SubParsersAction, name: str) -> None:
     c.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     c.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds a --ranks job may take (default 1800)")
+    add_launch_arguments(c)
 
 
 def _add_training(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +113,10 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                                                       "the ideal line (matplotlib)")
     s.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds one job may take (default 1800)")
+    s.add_argument("--horovod", metavar="VENV",
+                   help="with --via horovod: a virtualenv with Horovod built for its torch, "
+                        "whose horovodrun starts the jobs (default: this environment's)")
+    add_launch_arguments(s)
     train.add_train_arguments(s, json_flag=False)
     pl = sub.add_parser("plot", help="draw allreduce --json (busbw vs size), scale --json "
                                      "(throughput vs ranks), simulate --json against measured "
@@ -197,16 +203,19 @@ def _spawn(args: argparse.Namespace) -> int:
     launches the job when mpi is compared, so MPI_COMM_WORLD is the job."""
     import tempfile
 
-    from .ddlrun_job import ddlrun_argv, stream
+    from .ddlrun_job import launch_from_args, stream
 
-    launcher = ["--launcher", "mpirun"] if "mpi" in _engines(args) else []
+    launch = launch_from_args(args)
+    if "mpi" in _engines(args):
+        launch = dataclasses.replace(launch, extra=("--launcher", "mpirun", *launch.extra))
     worst, docs = 0, []
     with tempfile.TemporaryDirectory(prefix="ddl-perf-") as tmp:
         for n in args.ranks:
             part = os.path.join(tmp, f"{n}.json") if args.json else None
-            argv = ddlrun_argv(n, _forward(args, part), args.timeout, launcher)
-            print(f"# ddlrun -n {n} {' '.join(launcher)} ddl-perf "
-                  f"{' '.join(_forward(args, None))}".replace("  ", " "), flush=True)
+            argv = launch.argv(n, _forward(args, part), args.timeout)
+            shown = ["-n", str(n), *launch.where(), *launch.extra]
+            print(f"# ddlrun {' '.join(shown)} ddl-perf {' '.join(_forward(args, None))}",
+                  flush=True)
             code = stream(argv, args.timeout, lambda line: print(line, end="", flush=True))
             if code:
                 print(f"# ddl-perf: the {n}-rank job exited with {code}", file=sys.stderr)

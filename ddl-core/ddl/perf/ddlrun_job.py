@@ -1,5 +1,6 @@
-"""ddl-perf's own jobs (``allreduce --ranks``, ``scale``) as ddlrun subprocesses, their
-output streamed line by line as rank 0 prints it.
+"""ddl-perf's own jobs (``allreduce --ranks``, ``scale``) as ddlrun subprocesses (or
+horovodrun ones, for ``scale --via horovod``), their output streamed line by line as rank 0
+prints it.
 
 ddlrun gets the deadline itself (``--timeout``), so a job that overruns is taken down by
 ddlrun's own teardown (SIGTERM to every rank, grace, SIGKILL, its shared memory removed)
@@ -10,10 +11,13 @@ deadline, even when the job prints nothing.
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 TIMEOUT_EXIT = 124  # ddlrun's exit code when --timeout ran out
@@ -30,6 +34,81 @@ def ddlrun_argv(ranks: int, program: Sequence[str], timeout: float,
     return [sys.executable, "-m", "ddlrun", "-n", str(ranks), "--no-tag-output",
             "--timeout", f"{timeout:g}", *ddlrun_args,
             sys.executable, "-m", "ddl.perf.cli", *program]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who starts one of ddl-perf's jobs, and where: ddlrun (default), or Horovod's own
+    horovodrun for ``--via horovod`` (from ``horovod_venv``, else from this environment).
+    ``hosts``/``hostfile`` are spelled alike by both (``-H h1:2,h2:2``); ``extra`` is passed
+    to the launcher as given (argv items, never a shell line)."""
+
+    hosts: str | None = None
+    hostfile: str | None = None
+    extra: tuple[str, ...] = ()
+    horovod: bool = False
+    horovod_venv: str | None = None
+
+    def name(self) -> str:
+        return "horovodrun" if self.horovod else "ddlrun"
+
+    def where(self) -> list[str]:
+        return ((["-H", self.hosts] if self.hosts else [])
+                + (["--hostfile", self.hostfile] if self.hostfile else []))
+
+    def argv(self, ranks: int, program: Sequence[str], timeout: float) -> list[str]:
+        where = self.where()
+        if not self.horovod:
+            return ddlrun_argv(ranks, program, timeout, [*where, *self.extra])
+        bindir = (os.path.join(os.path.abspath(self.horovod_venv), "bin")
+                  if self.horovod_venv else os.path.dirname(sys.executable))
+        return [os.path.join(bindir, "horovodrun"), "-np", str(ranks),
+                *(where or ["-H", f"localhost:{ranks}"]), "--gloo", *self.extra,
+                os.path.join(bindir, "python"), "-m", "ddl.perf.cli", *program]
+
+    def env(self) -> dict[str, str] | None:
+        """For a Horovod venv: this ddl (and ddlrun) first on its PYTHONPATH."""
+        if not self.horovod_venv:
+            return None
+        import ddl
+        import ddlrun
+
+        roots = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
+                 for m in (ddl, ddlrun)]
+        path = [*dict.fromkeys(roots), *filter(None, [os.environ.get("PYTHONPATH")])]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+    def check(self) -> None:
+        """A missing horovodrun is a ValueError before any job starts."""
+        if self.horovod:
+            tool = self.argv(1, [], 0)[0]
+            if not os.access(tool, os.X_OK):
+                where = (f"--horovod {self.horovod_venv}" if self.horovod_venv
+                         else "this environment")
+                raise ValueError(f"--via horovod: no horovodrun in {where} ({tool}); give "
+                                 "--horovod VENV, a virtualenv with Horovod for its torch "
+                                 "(benchmarks/build_horovod.sh builds one)")
+        elif self.horovod_venv:
+            raise ValueError("--horovod VENV is for --via horovod")
+
+
+DDLRUN = Launch()  # ddlrun on this host: the default
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that say where ddl-perf's own jobs run (allreduce --ranks, scale)."""
+    p.add_argument("-H", "--hosts", metavar="HOST[:SLOTS],...",
+                   help="hosts of each job, passed to its launcher (ddlrun, horovodrun)")
+    p.add_argument("--hostfile", metavar="FILE", help="hostfile of each job, as -H")
+    p.add_argument("--launcher-arg", dest="launcher_args", action="append", default=[],
+                   metavar="ARG", help="one more argument for the launcher (repeatable), "
+                                       "e.g. --launcher-arg=--ssh-port=2222")
+
+
+def launch_from_args(args: argparse.Namespace) -> Launch:
+    return Launch(hosts=args.hosts, hostfile=args.hostfile, extra=tuple(args.launcher_args),
+                  horovod=getattr(args, "via", None) == "horovod",
+                  horovod_venv=getattr(args, "horovod", None))
 
 
 def stream(argv: Sequence[str], timeout: float, on_line: Callable[[str], None], *,

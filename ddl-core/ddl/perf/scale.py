@@ -1,5 +1,7 @@
 """``ddl-perf scale --ranks 1,2,4 [train flags]``: one ``ddlrun -n N ddl-perf train`` job per
-count, started as a subprocess one after the other, then throughput and scaling efficiency
+count (``-H``/``--hostfile`` spread it over hosts; ``--via horovod`` starts Horovod's
+``horovodrun`` instead, from ``--horovod VENV``), started as a subprocess one after the
+other, then throughput and scaling efficiency
 
     efficiency_N = throughput_N / (N x throughput_1)
 
@@ -12,6 +14,7 @@ FILE.png`` (measured vs ideal, ``plot.py``); a rich progress display while the j
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -21,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import train
-from .ddlrun_job import ddlrun_argv, stream
+from .ddlrun_job import DDLRUN, Launch, launch_from_args, stream
 
 
 def efficiency(points: Sequence[tuple[int, float]]) -> list[float]:
@@ -35,9 +38,9 @@ def efficiency(points: Sequence[tuple[int, float]]) -> list[float]:
 
 
 def job_argv(ranks: int, train_args: Sequence[str], json_path: str,
-             timeout: float = 1800.0) -> list[str]:
-    """The ddlrun command of one count (argv, never a shell line)."""
-    return ddlrun_argv(ranks, ["train", *train_args, "--json", json_path], timeout)
+             timeout: float = 1800.0, launch: Launch = DDLRUN) -> list[str]:
+    """The launcher's command of one count (argv, never a shell line)."""
+    return launch.argv(ranks, ["train", *train_args, "--json", json_path], timeout)
 
 
 def scale_doc(runs: Sequence[dict], train_args: Sequence[str]) -> dict:
@@ -80,8 +83,8 @@ def table(doc: dict) -> Any:
 
 
 def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
-             console: Any, start: Callable[..., subprocess.Popen] = subprocess.Popen
-             ) -> list[dict]:
+             console: Any, start: Callable[..., subprocess.Popen] = subprocess.Popen,
+             launch: Launch = DDLRUN) -> list[dict]:
     """Each count's job in turn under a progress display; its train document back.
     ``start``: the process starter (a seam for tests). A failed job raises RuntimeError
     with its output's tail."""
@@ -95,8 +98,8 @@ def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
         task = progress.add_task("starting", total=len(counts))
         for n in counts:
             part = os.path.join(tmp, f"{n}.json")
-            argv = job_argv(n, train_args, part, timeout)
-            progress.update(task, description=f"ddlrun -n {n} ddl-perf train")
+            argv = job_argv(n, train_args, part, timeout, launch)
+            progress.update(task, description=f"{launch.name()} -n {n} ddl-perf train")
             tail: list[str] = []
 
             def seen(line: str, n: int = n) -> None:
@@ -106,7 +109,9 @@ def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
                     progress.console.print(f"[{n} rank(s)] {line.strip()}", markup=False,
                                            highlight=False)
 
-            code = stream(argv, timeout, seen, merge_stderr=True, start=start)
+            env = launch.env()
+            code = stream(argv, timeout, seen, merge_stderr=True,
+                          start=start if env is None else functools.partial(start, env=env))
             if code or not os.path.exists(part):
                 raise RuntimeError(f"the {n}-rank job exited with {code}:\n" + "\n".join(tail))
             with open(part) as f:
@@ -127,6 +132,8 @@ def scale_main(args: argparse.Namespace) -> int:
         return 2
     try:
         train.config_from_args(args)  # the flags checked before the first job starts
+        launch = launch_from_args(args)
+        launch.check()
     except ValueError as exc:
         print(f"ddl-perf scale: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +147,7 @@ def scale_main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)  # pipes: no 80 cut
     counts = sorted(dict.fromkeys(args.ranks))
     try:
-        runs = run_jobs(counts, train_args, args.timeout, console)
+        runs = run_jobs(counts, train_args, args.timeout, console, launch=launch)
     except RuntimeError as exc:
         print(f"ddl-perf scale: {exc}", file=sys.stderr)
         return 1

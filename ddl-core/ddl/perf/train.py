@@ -9,7 +9,10 @@
     ddlrun -n 2 ddl-perf train --model resnet50 --data ~/imagenet-sample --num-workers 4
 
 ``--via``: ``optimizer`` (ddl.torch.DistributedOptimizer), ``ddp`` (DistributedDataParallel
-on the ``ddl`` backend), ``ddp-gloo``, ``ddp-nccl`` (torch's own backends). With
+on the ``ddl`` backend), ``ddp-gloo``, ``ddp-nccl`` (torch's own backends), ``horovod``
+(Horovod's own DistributedOptimizer, in a job started by Horovod's ``horovodrun``, e.g.
+``VENV/bin/horovodrun -np 2 VENV/bin/python -m ddl.perf.cli train --via horovod``, or by
+``ddl-perf scale --via horovod --horovod VENV``). With
 ``--framework keras`` (``train_keras.py``: Keras 3 on TensorFlow, synthetic data):
 ``optimizer`` (ddl.keras.DistributedOptimizer), ``mwms`` (MultiWorkerMirroredStrategy),
 ``alone`` (no communication); the shares are measured the same way. Every rank
@@ -84,7 +87,10 @@ VIAS = {  # --via: how gradients are exchanged (torch; train_keras.VIAS for kera
     "ddp": "DistributedDataParallel on the ddl backend",
     "ddp-gloo": "DistributedDataParallel on torch's gloo",
     "ddp-nccl": "DistributedDataParallel on torch's nccl (CUDA)",
+    "horovod": "Horovod's own DistributedOptimizer (horovod.torch, under horovodrun)",
 }
+# the vias that wrap the optimizer Horovod's way (synchronize / skip_synchronize)
+OPTIMIZER_VIAS = ("optimizer", "horovod")
 FRAMEWORKS = {"torch": "PyTorch (models.py)", "keras": "Keras 3 on TensorFlow (train_keras.py)"}
 ALL_VIAS = (*VIAS, "mwms", "alone")  # the last two: --framework keras only
 DDP_BACKEND = {"ddp": "ddl", "ddp-gloo": "gloo", "ddp-nccl": "nccl"}
@@ -119,8 +125,9 @@ TRAIN_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("via", "--via", dict(default="optimizer", choices=ALL_VIAS,
                           help="optimizer: ddl's DistributedOptimizer; torch: ddp (DDP on "
                                "the ddl backend), ddp-gloo, ddp-nccl (DDP on torch's "
-                               "backends); keras: mwms (MultiWorkerMirroredStrategy), "
-                               "alone (no communication)")),
+                               "backends), horovod (Horovod's own, under horovodrun); "
+                               "keras: mwms (MultiWorkerMirroredStrategy), alone (no "
+                               "communication)")),
     ("device", "--device", dict(default="auto", choices=("auto", "cpu", "cuda"),
                                 help="auto: this rank's GPU (LOCAL_RANK) when CUDA is there")),
     ("steps", "--steps", dict(type=int, default=20, help="timed steps per round (20)")),
@@ -487,7 +494,7 @@ class _Trainer:
             net = net.to(torch.bfloat16)
         self.params = models.count_params(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        if cfg.via == "optimizer":
+        if cfg.via in OPTIMIZER_VIAS:
             hvd.broadcast_parameters(net.state_dict(), root_rank=0)
             opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
         else:
@@ -534,7 +541,7 @@ class _Trainer:
         t1 = time.perf_counter()
         self._forward_backward(x, y)
         wait = None
-        if self.cfg.via == "optimizer":
+        if self.cfg.via in OPTIMIZER_VIAS:
             self._sync()
             t2 = time.perf_counter()
             self.opt.synchronize()
@@ -551,7 +558,7 @@ class _Trainer:
         """The same step on a batch already on the device, the exchange switched off."""
         self._sync()
         t0 = time.perf_counter()
-        if self.cfg.via == "optimizer":
+        if self.cfg.via in OPTIMIZER_VIAS:
             with self.opt.skip_synchronize():
                 self._forward_backward(x, y)
                 self.opt.step()
@@ -588,22 +595,50 @@ def _measure(cfg: TrainConfig, trainer: _Trainer, batches: Iterator[Any],
                      wait=med(waits) if waits else None)
 
 
+def _ddl_torch() -> Any:
+    _alone_rendezvous()
+    import ddl.torch
+
+    return ddl.torch
+
+
+def _launched_size() -> int:
+    """How many ranks the launcher started (horovodrun, mpirun or ddlrun), 1 alone."""
+    for var in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def _horovod() -> Any:
+    """Horovod itself, for --via horovod: the same loop, its DistributedOptimizer."""
+    try:
+        import horovod.torch
+    except ImportError as exc:
+        raise ValueError(f"--via horovod: horovod.torch does not import here ({exc}); run "
+                         "this under a Horovod virtualenv's horovodrun, or `ddl-perf scale "
+                         "--via horovod --horovod VENV`") from None
+    return horovod.torch
+
+
 def train(cfg: TrainConfig) -> int:
     """``ddl-perf train`` on every rank of the job (or alone); rank 0 prints."""
     if cfg.framework == "keras":
         from .train_keras import train_keras
 
         return train_keras(cfg)
-    _alone_rendezvous()
     import torch
     import torch.distributed as dist
 
-    import ddl.torch as hvd
-
     from . import models
 
+    hvd = _horovod() if cfg.via == "horovod" else _ddl_torch()
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    if cfg.via == "horovod" and size != _launched_size():
+        raise ValueError(f"--via horovod: Horovod sees {size} rank(s) where the launcher "
+                         f"started {_launched_size()}: start Horovod jobs with its "
+                         "horovodrun (or ddl-perf scale --via horovod)")
     if not os.environ.get("OMP_NUM_THREADS"):  # a core left for ddl's progress threads
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size() - 1))
     dev = _device(cfg, hvd.local_rank())
