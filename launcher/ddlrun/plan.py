@@ -297,11 +297,26 @@ def grid(ranks_per_host: int, nhosts: int, racks: int | None, aisles: int | None
     return kept or [1]
 
 
-def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | None:
+def inherited_options(text: str | None, drop_mode: bool) -> list[str]:
+    """DDL_OPTIONS from ddlrun's own environment, as options given before the command
+    line's --ddloption; its ``-mode`` yields to -m/--mode (``drop_mode``)."""
+    words = (text or "").split()
+    if drop_mode and "-mode" in words:
+        at = words.index("-mode")
+        del words[at:at + 2]
+    return [" ".join(words)] if words else []
+
+
+def ddl_options(req: Request, placement: Sequence[tuple[int, int]],
+                inherited: str | None = None) -> str | None:
+    """What every rank's DDL_OPTIONS says: ``-mode`` with the job's grid, then the options
+    of ``inherited`` (DDL_OPTIONS in ddlrun's environment) and --ddloption, in that order;
+    None with --no_ddloptions."""
     if req.no_ddloptions:
         return None
-    if not req.mode and any(o.split()[:1] == ["-mode"] for o in req.ddloptions):
-        return " ".join(req.ddloptions)  # --ddloption "-mode b:2x2" is the user's mode
+    extra = [*inherited_options(inherited, drop_mode=bool(req.mode)), *req.ddloptions]
+    if not req.mode and any("-mode" in o.split() for o in extra):
+        return " ".join(extra)  # --ddloption "-mode b:2x2" is the user's mode
     world = len(placement)
     per_host: dict[int, int] = {}
     for host, _ in placement:
@@ -319,7 +334,7 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]]) -> str | Non
         else:  # uneven hosts: no grid describes them, use one flat dimension
             spec = f"{letters}:{world}"
     _check_mode(spec, mode, world if dims else None)
-    return " ".join(("-mode", spec, *req.ddloptions))
+    return " ".join(("-mode", spec, *extra))
 
 
 def default_mode() -> str:
@@ -568,7 +583,8 @@ def make_plan(
     omp_set = dict(user_env)  # OMP_NUM_THREADS the user set stays theirs
     if envs.OMP_NUM_THREADS in environ:
         omp_set[envs.OMP_NUM_THREADS] = environ[envs.OMP_NUM_THREADS]
-    options = ddl_options(req, _whole_job(layout))
+    options = ddl_options(req, _whole_job(layout),
+                          user_env.get(envs.DDL_OPTIONS, environ.get(envs.DDL_OPTIONS)))
     common = _common_env(req, facts, layout, hosts, job_id, master_port, options, user_env,
                          secret_env or {}, export_job_id)
     per_host = _rank_specs(req, facts, layout, hosts, common, omp_set, gpus_of)

@@ -89,6 +89,23 @@ def test_no_gpus_no_cuda_visible_devices_and_user_omp_wins():
     assert all("OMP_NUM_THREADS" not in r.env_dict() for r in p.ranks)  # inherited as is
 
 
+def test_ddl_options_from_the_environment_are_kept_not_replaced():
+    """DDL_OPTIONS set where ddlrun runs (``DDL_OPTIONS='-dump_iter 4' ddlrun ...``) reach
+    the ranks after the grid's -mode and before --ddloption; a -mode in it is the job's
+    mode unless -m/--mode says otherwise."""
+    eight = hosts(*(("h%d" % i, 4) for i in range(8)))
+    env = {"DDL_OPTIONS": "-dump_iter 4"}
+    assert plan_of(Request(PROG, eight), environ=env).ddl_options == "-mode r:4x8 -dump_iter 4"
+    req = Request(PROG, eight, ddloptions=("-dbg_level 1",))
+    assert plan_of(req, environ=env).ranks[0].env_dict()["DDL_OPTIONS"] == (
+        "-mode r:4x8 -dump_iter 4 -dbg_level 1")
+    env = {"DDL_OPTIONS": "-dump_iter 4 -mode b:8x4"}
+    assert plan_of(Request(PROG, eight), environ=env).ddl_options == "-dump_iter 4 -mode b:8x4"
+    assert plan_of(Request(PROG, eight, mode="p"), environ=env).ddl_options == (
+        "-mode p:4x8 -dump_iter 4")
+    assert plan_of(Request(PROG, eight, no_ddloptions=True), environ=env).ddl_options is None
+
+
 def test_ddl_options_grid_racks_aisles_mode_and_opt_out():
     eight = hosts(*[(f"h{i}", 4) for i in range(8)])
     assert plan_of(Request(PROG, eight)).ddl_options == "-mode r:4x8"
