@@ -163,7 +163,10 @@ def test_ddl_timeline_writes_one_trace_per_rank(tmp_path):
     path = tmp_path / "t.json"
     reports(run_worker("timeline.py", 2, "record", env={"DDL_TIMELINE": str(path),
                                                        "OMP_NUM_THREADS": "1"}))
-    for events in read_ranks(str(tmp_path / "t.rank{rank}.json"), 2):
+    for rank, events in enumerate(read_ranks(str(tmp_path / "t.rank{rank}.json"), 2)):
+        # the late peer shows on the rank that waited for it, named, for as long as it was
+        waits = [e for e in events if e["name"] == "peer wait" and e["args"]["peer"] == 1]
+        assert (max(e["dur"] for e in waits) >= 200_000) if rank == 0 else not waits, waits
         names = {e["name"] for e in events}
         assert {"allreduce", "allreduce_async", "allgather", "queue", "named.one",
                 "negotiate", "grad.bucket0", "pack", "unpack", "shutdown"} <= names, names

@@ -1,7 +1,8 @@
 """One rank of the timeline tests: ``python timeline.py MODE [PATH]``. Prints one JSON line.
 
-- ``record``: ddl.allreduce (blocking, async), hvd-level calls (negotiated) and a few steps
-  of ddl.torch's DistributedOptimizer, with DDL_TIMELINE set by the test;
+- ``record``: ddl.allreduce (blocking, async; one that rank 1 joins 0.3 s late), hvd-level
+  calls (negotiated) and a few steps of ddl.torch's DistributedOptimizer, with DDL_TIMELINE
+  set by the test;
 - ``hvd``: the same steps between ``hvd.start_timeline(PATH, mark_cycles=True)`` and
   ``hvd.stop_timeline()`` (ddl.torch), then more steps that must not be recorded;
 - ``profiler``: the steps, and a ``ddl``-backend allreduce, under ``torch.profiler``;
@@ -12,6 +13,7 @@
 
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -65,6 +67,9 @@ hvd.init()
 report = {"rank": hvd.rank()}
 if MODE == "record":
     core_calls(ddl)
+    if hvd.rank() == 1:
+        time.sleep(0.3)
+    ddl.allreduce(np.ones(16, dtype=np.float32))  # rank 0 waits for its late peer
     hvd.allreduce(torch.ones(5), name="named.one")
     steps(hvd, torch)
 elif MODE == "hvd":
