@@ -494,6 +494,14 @@ class _Trainer:
             net = net.to(torch.bfloat16)
         self.params = models.count_params(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        self.plain: tuple[Any, Any] | None = None
+        if cfg.via == "horovod":
+            # Horovod's hooks fire on every backward and cannot be switched off (its
+            # skip_synchronize skips only step's wait): compute-only steps run on a copy
+            import copy
+
+            twin = copy.deepcopy(net)
+            self.plain = (twin, torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9))
         if cfg.via in OPTIMIZER_VIAS:
             hvd.broadcast_parameters(net.state_dict(), root_rank=0)
             opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
@@ -518,7 +526,7 @@ class _Trainer:
             x = x.to(torch.bfloat16)
         return x, y.to(self.dev, non_blocking=True)
 
-    def _forward_backward(self, x: Any, y: Any) -> None:
+    def _forward_backward(self, x: Any, y: Any, net: Any = None, opt: Any = None) -> None:
         import contextlib
 
         import torch
@@ -527,9 +535,9 @@ class _Trainer:
 
         amp = (torch.autocast(self.dev.type, dtype=torch.bfloat16)
                if self.cfg.precision == "amp" else contextlib.nullcontext())
-        self.opt.zero_grad()
+        (opt or self.opt).zero_grad()
         with amp:
-            out = self.net(x)
+            out = (net or self.net)(x)
         models.loss(self.cfg.model, out, y).backward()
 
     def step(self, batches: Iterator[Any]) -> tuple[float, float, float | None, Any]:
@@ -558,7 +566,11 @@ class _Trainer:
         """The same step on a batch already on the device, the exchange switched off."""
         self._sync()
         t0 = time.perf_counter()
-        if self.cfg.via in OPTIMIZER_VIAS:
+        if self.plain is not None:
+            net, opt = self.plain
+            self._forward_backward(x, y, net, opt)
+            opt.step()
+        elif self.cfg.via in OPTIMIZER_VIAS:
             with self.opt.skip_synchronize():
                 self._forward_backward(x, y)
                 self.opt.step()
