@@ -4,9 +4,10 @@ start ranks themselves (mpirun, srun). Reads the rank from the launcher's variab
 DDLRUN_RANK_HOSTS (host index of every rank, comma-separated) and DDLRUN_HOST_GPUS (per
 host ``mode:ids``, hosts joined by ';': see ``plan.HostGpus``), sets RANK, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, ROLE_RANK, horovodrun's HOROVOD_RANK,
-HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK/SIZE, OMP_NUM_THREADS and, only with
---include/--exclude GPU lists or --bind-gpus, CUDA_VISIBLE_DEVICES (as ddlrun.plan does) and
-execs the program.
+HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK/SIZE, OMP_NUM_THREADS, only with
+--include/--exclude GPU lists or --bind-gpus CUDA_VISIBLE_DEVICES (as ddlrun.plan does), and
+OMPI_MCA_mpi_yield_when_idle=1 when the host has more ranks than cores, and execs the
+program.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
     local_size = layout.count(host)
     facts = HostFacts(cores=cores)
     sizes = [layout.count(h) for h in range(max(layout) + 1)]
-    return rank_env(rank, local_rank, local_size, host, facts, env,
-                    gpus[host] if host < len(gpus) else None,
-                    cross_of(sizes, host, local_rank))
+    out = rank_env(rank, local_rank, local_size, host, facts, env,
+                   gpus[host] if host < len(gpus) else None,
+                   cross_of(sizes, host, local_rank))
+    if local_size > cores and envs.OMPI_MCA_MPI_YIELD_WHEN_IDLE not in env:
+        out[envs.OMPI_MCA_MPI_YIELD_WHEN_IDLE] = "1"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,6 +114,18 @@ def test_rankenv_computes_contract_from_layout():
     assert "OMP_NUM_THREADS" not in got and "CUDA_VISIBLE_DEVICES" not in got
 
 
+def test_rankenv_has_open_mpi_yield_on_oversubscribed_hosts():
+    """ddlrun's mpirun gets --host h:N, so Open MPI sees a slot per rank and spins even
+    with more ranks than cores; the rank then asks it to yield (unless the user chose)."""
+    from ddlrun.rankenv import compute
+
+    four = {"OMPI_COMM_WORLD_RANK": "1", "DDLRUN_RANK_HOSTS": "0,0,0,0"}
+    assert compute(four, cores=2)["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert "OMPI_MCA_mpi_yield_when_idle" not in compute(four, cores=4)
+    mine = compute({**four, "OMPI_MCA_mpi_yield_when_idle": "0"}, cores=2)
+    assert "OMPI_MCA_mpi_yield_when_idle" not in mine  # the user's 0 stays
+
+
 def test_mpirun_rankfile_paths_never_spell_pe(tmp_path, monkeypatch):
     # Open MPI 5 reads "pe" anywhere in --map-by as PE=<list> and then refuses
     # --bind-to none: the generated rankfile's folder must not contain it

@@ -93,7 +93,7 @@ def test_ddl_options_from_the_environment_are_kept_not_replaced():
     """DDL_OPTIONS set where ddlrun runs (``DDL_OPTIONS='-dump_iter 4' ddlrun ...``) reach
     the ranks after the grid's -mode and before --ddloption; a -mode in it is the job's
     mode unless -m/--mode says otherwise."""
-    eight = hosts(*(("h%d" % i, 4) for i in range(8)))
+    eight = hosts(*[(f"h{i}", 4) for i in range(8)])
     env = {"DDL_OPTIONS": "-dump_iter 4"}
     assert plan_of(Request(PROG, eight), environ=env).ddl_options == "-mode r:4x8 -dump_iter 4"
     req = Request(PROG, eight, ddloptions=("-dbg_level 1",))
