@@ -466,9 +466,11 @@ class MPI(Engine):
 
 
 HOROVOD = (
-    "horovod cannot run inside a ddl-perf job here: Horovod no longer builds against current "
-    "torch without patches, so it lives in a venv of its own (benchmarks/build_horovod.sh); "
-    "`python -m ddl.perf.train --horovod VENV` compares training and raw allreduce with it")
+    "horovod cannot join a ddl-perf job: it needs its own launcher's (horovodrun's) "
+    "rendezvous, and it no longer builds against current torch without patches, so it "
+    "lives in a venv of its own (benchmarks/build_horovod.sh VENV). Compare with it in "
+    "training: `ddl-perf scale --via horovod --horovod VENV` next to `ddl-perf scale --via "
+    "optimizer`, or `python -m ddl.perf.train --horovod VENV` (training and raw allreduce)")
 
 
 ENGINES: dict[str, type[Engine]] = {
