@@ -282,6 +282,15 @@ def _collective(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `ddl-perf env | head`: the reader left; say nothing more (Python's documented way)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.cmd in COLLECTIVE_HELP:
