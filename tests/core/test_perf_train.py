@@ -192,6 +192,16 @@ def test_jobs_go_where_the_host_flags_say_with_ddlrun_or_horovodrun(tmp_path, mo
     assert train._launched_size() == 3
 
 
+def test_scale_gives_every_job_the_same_threads_per_rank():
+    from ddl.perf.ddlrun_job import DDLRUN, Launch
+
+    env = scale.same_threads([1, 2, 4], DDLRUN, {"PATH": "/bin"}, cores=8)
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "2"}  # 8 cores // 4 ranks, at 1 too
+    assert scale.same_threads([1, 2], DDLRUN, {}, cores=1)["OMP_NUM_THREADS"] == "1"
+    assert scale.same_threads([1, 2], DDLRUN, {"OMP_NUM_THREADS": "3"}, cores=8) is None
+    assert scale.same_threads([1, 2], Launch(hosts="a:2,b:2"), {}, cores=8) is None
+
+
 def test_bad_train_requests_are_refused_with_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--steps 0: must be >= 1"):
         train.config_from_args(_train_args("--steps", "0"))

@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import train
@@ -82,9 +82,20 @@ def table(doc: dict) -> Any:
     return t
 
 
+def same_threads(counts: Sequence[int], launch: Launch, environ: Mapping[str, str],
+                 cores: int) -> dict[str, str] | None:
+    """The env every job gets so that each compares like with like: one torch thread count
+    per rank for all counts (this host's cores // the largest count, min 1), unless
+    OMP_NUM_THREADS is set or the jobs run on other hosts (whose cores ddlrun knows)."""
+    base = launch.env()
+    if "OMP_NUM_THREADS" in environ or launch.hosts or launch.hostfile:
+        return base
+    return {**(base or environ), "OMP_NUM_THREADS": str(max(1, cores // max(counts)))}
+
+
 def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
              console: Any, start: Callable[..., subprocess.Popen] = subprocess.Popen,
-             launch: Launch = DDLRUN) -> list[dict]:
+             launch: Launch = DDLRUN, env: Mapping[str, str] | None = None) -> list[dict]:
     """Each count's job in turn under a progress display; its train document back.
     ``start``: the process starter (a seam for tests). A failed job raises RuntimeError
     with its output's tail."""
@@ -109,7 +120,6 @@ def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
                     progress.console.print(f"[{n} rank(s)] {line.strip()}", markup=False,
                                            highlight=False)
 
-            env = launch.env()
             code = stream(argv, timeout, seen, merge_stderr=True,
                           start=start if env is None else functools.partial(start, env=env))
             if code or not os.path.exists(part):
@@ -147,7 +157,12 @@ def scale_main(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)  # pipes: no 80 cut
     counts = sorted(dict.fromkeys(args.ranks))
     try:
-        runs = run_jobs(counts, train_args, args.timeout, console, launch=launch)
+        env = same_threads(counts, launch, os.environ, len(os.sched_getaffinity(0)))
+        if env is not None and "OMP_NUM_THREADS" not in os.environ:
+            console.print(f"# every job: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} (cores // "
+                          f"{max(counts)} ranks), so each rank computes alike at every count; "
+                          "set OMP_NUM_THREADS to choose", markup=False, highlight=False)
+        runs = run_jobs(counts, train_args, args.timeout, console, launch=launch, env=env)
     except RuntimeError as exc:
         print(f"ddl-perf scale: {exc}", file=sys.stderr)
         return 1
