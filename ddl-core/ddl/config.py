@@ -245,7 +245,7 @@ def _manager(name: str, doc: str) -> EnvVar:
 
 
 _VARS += [
-    # Set by process managers (mpirun, srun, PMIx), never by users: read only when the
+    # Set by process managers (mpirun, srun, PMIx, horovodrun), never by users: read only when the
     # torchrun variables above are missing, for jobs started without ddlrun. Raw strings;
     # topology copies them into RANK etc., whose types parse them.
     _manager("OMPI_COMM_WORLD_RANK", "Open MPI's rank (RANK when that is unset)"),
@@ -259,6 +259,10 @@ _VARS += [
     _manager("MPI_LOCALRANKID", "MPICH/Intel MPI's rank on this host (LOCAL_RANK)"),
     _manager("MPI_LOCALNRANKS", "MPICH/Intel MPI's ranks on this host (LOCAL_WORLD_SIZE)"),
     _manager("PMIX_RANK", "PMIx's rank (marks a job mpirun started)"),
+    _manager("HOROVOD_RANK", "horovodrun's rank (RANK, after the MPI ones)"),
+    _manager("HOROVOD_SIZE", "horovodrun's world size (WORLD_SIZE)"),
+    _manager("HOROVOD_LOCAL_RANK", "horovodrun's rank on this host (LOCAL_RANK)"),
+    _manager("HOROVOD_LOCAL_SIZE", "horovodrun's ranks on this host (LOCAL_WORLD_SIZE)"),
     _manager("PMIX_NAMESPACE", "PMIx's namespace, Open MPI 5 and PRRTE (derives the job id)"),
     _manager("SLURM_PROCID", "Slurm's task rank (RANK)"),
     _manager("SLURM_NTASKS", "Slurm's task count (WORLD_SIZE)"),

@@ -31,10 +31,11 @@ class World:
 
 
 _MPI_VARS = {  # what process managers set (registered in config), for jobs without ddlrun
-    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK"),
-    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
-    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
-    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
+    # (horovodrun's last: under horovodrun --mpi both are set, and they agree)
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HOROVOD_SIZE"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "HOROVOD_LOCAL_RANK"),
+    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "HOROVOD_LOCAL_SIZE"),
 }
 
 
@@ -63,6 +64,8 @@ def _with_mpi_fallbacks(env: Mapping[str, str]) -> dict[str, str]:
     for ours, theirs in _MPI_VARS.items():
         if not out.get(ours):
             for name in theirs:
+                if name.startswith("HOROVOD_") and env.get("RANK"):
+                    continue  # a launcher that gave RANK gave the layout (ddlrun sets both)
                 if value := config.get(name, env):
                     out[ours] = value
                     break

@@ -268,6 +268,12 @@ def test_process_manager_variables_are_registered_and_read_through_config():
                                  "OMPI_COMM_WORLD_LOCAL_RANK": "0",
                                  "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
     assert (w.rank, w.size, w.local_rank, w.local_size, w.launched_by_mpi) == (2, 4, 0, 2, True)
+    # horovodrun's workers (ddl under Horovod's own launcher): its variables, read last
+    hvd = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+           "HOROVOD_LOCAL_SIZE": "2"}
+    w = topology.world_from_env(hvd)
+    assert (w.rank, w.size, w.local_rank, w.local_size, w.host_index) == (3, 4, 1, 2, 1)
+    assert topology.world_from_env({**hvd, "RANK": "0", "WORLD_SIZE": "1"}).size == 1
     assert identity.manager_job_id({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": ""}) is None
     assert identity.manager_job_id({"PMIX_NAMESPACE": ""}) is None
     assert identity.manager_job_id({"PMIX_NAMESPACE": "ns"}).startswith("pm")

@@ -113,9 +113,6 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                                                       "the ideal line (matplotlib)")
     s.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds one job may take (default 1800)")
-    s.add_argument("--horovod", metavar="VENV",
-                   help="with --via horovod: a virtualenv with Horovod built for its torch, "
-                        "whose horovodrun starts the jobs (default: this environment's)")
     add_launch_arguments(s)
     train.add_train_arguments(s, json_flag=False)
     pl = sub.add_parser("plot", help="draw allreduce --json (busbw vs size), scale --json "
@@ -200,12 +197,23 @@ def _forward(args: argparse.Namespace, json_path: str | None) -> list[str]:
 
 def _spawn(args: argparse.Namespace) -> int:
     """One ddlrun job per --ranks count, its rows streamed as rank 0 prints them; mpirun
-    launches the job when mpi is compared, so MPI_COMM_WORLD is the job."""
+    launches the job when mpi is compared, so MPI_COMM_WORLD is the job, and Horovod's
+    horovodrun when horovod is, so Horovod has its rendezvous."""
+    import functools
+    import subprocess
     import tempfile
 
     from .ddlrun_job import launch_from_args, stream
 
     launch = launch_from_args(args)
+    try:
+        if "mpi" in _engines(args) and launch.horovod:
+            raise ValueError("--compare mpi and horovod cannot share a job: MPI's needs "
+                             "mpirun's, Horovod's horovodrun's; compare them in two runs")
+        launch.check()
+    except ValueError as exc:
+        print(f"ddl-perf: {exc}", file=sys.stderr)
+        return 2
     if "mpi" in _engines(args):
         launch = dataclasses.replace(launch, extra=("--launcher", "mpirun", *launch.extra))
     worst, docs = 0, []
@@ -213,10 +221,14 @@ def _spawn(args: argparse.Namespace) -> int:
         for n in args.ranks:
             part = os.path.join(tmp, f"{n}.json") if args.json else None
             argv = launch.argv(n, _forward(args, part), args.timeout)
-            shown = ["-n", str(n), *launch.where(), *launch.extra]
-            print(f"# ddlrun {' '.join(shown)} ddl-perf {' '.join(_forward(args, None))}",
-                  flush=True)
-            code = stream(argv, args.timeout, lambda line: print(line, end="", flush=True))
+            count = ["-np" if launch.horovod else "-n", str(n)]
+            shown = [launch.name(), *count, *launch.where(), *launch.extra]
+            print(f"# {' '.join(shown)} ddl-perf {' '.join(_forward(args, None))}", flush=True)
+            env = launch.env()
+            code = stream(argv, args.timeout,
+                          lambda line: print(launch.clean(line), end="", flush=True),
+                          start=(subprocess.Popen if env is None
+                                 else functools.partial(subprocess.Popen, env=env)))
             if code:
                 print(f"# ddl-perf: the {n}-rank job exited with {code}", file=sys.stderr)
             worst = max(worst, abs(code))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -67,16 +68,35 @@ class Launch:
                 os.path.join(bindir, "python"), "-m", "ddl.perf.cli", *program]
 
     def env(self) -> dict[str, str] | None:
-        """For a Horovod venv: this ddl (and ddlrun) first on its PYTHONPATH."""
-        if not self.horovod_venv:
+        """What a horovodrun job needs beyond this environment (None for ddlrun's, which
+        makes it all): with a Horovod venv, this ddl (and ddlrun) first on its PYTHONPATH;
+        and ddl's own rendezvous, since horovodrun gives Horovod's only: host 0 of -H (else
+        this host), a port free here, a job id and a secret, each unless already set."""
+        if not self.horovod:
             return None
+        import secrets
+
         import ddl
         import ddlrun
+        from ddlrun.preflight import pick_free_pair
 
-        roots = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
-                 for m in (ddl, ddlrun)]
-        path = [*dict.fromkeys(roots), *filter(None, [os.environ.get("PYTHONPATH")])]
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        out = dict(os.environ)
+        if self.horovod_venv:
+            roots = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
+                     for m in (ddl, ddlrun)]
+            path = [*dict.fromkeys(roots), *filter(None, [os.environ.get("PYTHONPATH")])]
+            out["PYTHONPATH"] = os.pathsep.join(path)
+        out.setdefault("MASTER_ADDR", self.hosts.split(",")[0].split(":")[0] if self.hosts
+                       else "127.0.0.1")
+        out.setdefault("MASTER_PORT", str(pick_free_pair()))
+        out.setdefault("DDL_JOB_ID", f"perf_{secrets.token_hex(6)}")
+        if not (out.get("DDL_JOB_SECRET") or out.get("DDL_JOB_SECRET_FILE")):
+            out["DDL_JOB_SECRET"] = secrets.token_hex(16)
+        return out
+
+    def clean(self, line: str) -> str:
+        """A line of the job's output without horovodrun's ``[0]<stdout>:`` tag."""
+        return _HOROVODRUN_TAG.sub("", line, count=1) if self.horovod else line
 
     def check(self) -> None:
         """A missing horovodrun is a ValueError before any job starts."""
@@ -85,18 +105,26 @@ class Launch:
             if not os.access(tool, os.X_OK):
                 where = (f"--horovod {self.horovod_venv}" if self.horovod_venv
                          else "this environment")
-                raise ValueError(f"--via horovod: no horovodrun in {where} ({tool}); give "
+                raise ValueError(f"horovod: no horovodrun in {where} ({tool}); give "
                                  "--horovod VENV, a virtualenv with Horovod for its torch "
                                  "(benchmarks/build_horovod.sh builds one)")
+            if self.hostfile and not os.environ.get("MASTER_ADDR"):
+                raise ValueError("horovod with --hostfile: set MASTER_ADDR to the first "
+                                 "host's address (ddl's rendezvous in a horovodrun job)")
         elif self.horovod_venv:
-            raise ValueError("--horovod VENV is for --via horovod")
+            raise ValueError("--horovod VENV is for --via horovod or --compare horovod")
 
 
 DDLRUN = Launch()  # ddlrun on this host: the default
+_HOROVODRUN_TAG = re.compile(r"^\[\d+\]<std(?:out|err)>:")
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that say where ddl-perf's own jobs run (allreduce --ranks, scale)."""
+    p.add_argument("--horovod", metavar="VENV",
+                   help="for Horovod itself (--via horovod, --compare horovod): a virtualenv "
+                        "with Horovod for its torch, whose horovodrun starts the jobs "
+                        "(default: this environment's)")
     p.add_argument("-H", "--hosts", metavar="HOST[:SLOTS],...",
                    help="hosts of each job, passed to its launcher (ddlrun, horovodrun)")
     p.add_argument("--hostfile", metavar="FILE", help="hostfile of each job, as -H")
@@ -106,9 +134,11 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def launch_from_args(args: argparse.Namespace) -> Launch:
+    """horovodrun for ``--via horovod`` or ``--compare ...,horovod``, else ddlrun."""
+    horovod = (getattr(args, "via", None) == "horovod"
+               or "horovod" in getattr(args, "compare", "").split(","))
     return Launch(hosts=args.hosts, hostfile=args.hostfile, extra=tuple(args.launcher_args),
-                  horovod=getattr(args, "via", None) == "horovod",
-                  horovod_venv=getattr(args, "horovod", None))
+                  horovod=horovod, horovod_venv=args.horovod)
 
 
 def stream(argv: Sequence[str], timeout: float, on_line: Callable[[str], None], *,

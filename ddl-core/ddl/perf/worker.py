@@ -465,16 +465,85 @@ class MPI(Engine):
         return recv
 
 
-HOROVOD = (
-    "horovod cannot join a ddl-perf job: it needs its own launcher's (horovodrun's) "
-    "rendezvous, and it no longer builds against current torch without patches, so it "
-    "lives in a venv of its own (benchmarks/build_horovod.sh VENV). Compare with it in "
-    "training: `ddl-perf scale --via horovod --horovod VENV` next to `ddl-perf scale --via "
-    "optimizer`, or `python -m ddl.perf.train --horovod VENV` (training and raw allreduce)")
+# -------------------------------------------------------------------------- Horovod
+class Horovod(Engine):
+    """Horovod itself (``horovod.torch``) on host tensors, in a job that Horovod's own
+    ``horovodrun`` started (``ddl-perf allreduce --ranks N --compare horovod --horovod
+    VENV`` starts one, with ddl in it): Horovod's collectives need its launcher's
+    rendezvous. Results come back as new tensors, except allreduce_ and broadcast_ in
+    place; where nccl-tests wants them in a given buffer, the copy is part of the time."""
+
+    name = "horovod"
+    ops = ("sum", "prod", "max", "min", "avg")
+    DTYPES = ("uint8", "int8", "int32", "int64", "half", "float", "double")
+
+    def __init__(self, rank: int, size: int, device: str) -> None:
+        super().__init__(rank, size, device)
+        if not (os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+                or os.environ.get("OMPI_COMM_WORLD_SIZE")):
+            raise Unavailable(HOROVOD_LAUNCH)
+        try:
+            import horovod
+            import horovod.torch as hvd
+        except ImportError as exc:
+            raise Unavailable(f"horovod does not import here ({exc}): {HOROVOD_LAUNCH}"
+                              ) from None
+        hvd.init()
+        if (hvd.size(), hvd.rank()) != (size, rank):
+            raise Unavailable(f"horovod: Horovod is rank {hvd.rank()} of {hvd.size()}, the "
+                              f"job is rank {rank} of {size}: {HOROVOD_LAUNCH}")
+        self.hvd, self.version = hvd, horovod.__version__
+        self.mem = _Torch(device)
+        self.op_of = {"sum": hvd.Sum, "prod": hvd.Product, "max": hvd.Max, "min": hvd.Min,
+                      "avg": hvd.Average}
+
+    def check(self, collective: str, dtype: DType, op: str) -> None:
+        if self.device != "cpu":
+            raise Unavailable("horovod is measured on host tensors here: use -g cpu")
+        super().check(collective, dtype, op)
+        if dtype.name not in self.DTYPES:
+            raise Unavailable(f"horovod has no {dtype.name} (it has {', '.join(self.DTYPES)})")
+        if collective == "reduce_scatter" and op not in ("sum", "avg"):
+            raise Unavailable(f"horovod's reducescatter has no '{op}' (sum, avg)")
+
+    def describe(self) -> str:
+        return f"Horovod {self.version} (horovod.torch, torch {self.mem.t.__version__})"
+
+    def close(self) -> None:
+        self.hvd.shutdown()
+
+    def allreduce(self, send, recv, op, root, in_place):
+        if in_place:
+            return self.hvd.allreduce_(recv, op=self.op_of[op])
+        return self.hvd.allreduce(send, op=self.op_of[op])
+
+    def allgather(self, send, recv, op, root, in_place):
+        out = self.hvd.allgather(send)
+        return recv.copy_(out) if in_place else out
+
+    def broadcast(self, send, recv, op, root, in_place):
+        if in_place:
+            return self.hvd.broadcast_(recv, root)
+        return self.hvd.broadcast(send, root)
+
+    def reduce_scatter(self, send, recv, op, root, in_place):
+        out = self.hvd.reducescatter(send, op=self.op_of[op])
+        return recv.copy_(out) if in_place else out
+
+    def alltoall(self, send, recv, op, root, in_place):
+        out = self.hvd.alltoall(send)
+        return recv.copy_(out) if in_place else out
+
+
+HOROVOD_LAUNCH = (
+    "Horovod's collectives need its own launcher's rendezvous: outside a job, `ddl-perf "
+    "allreduce --ranks N --compare horovod --horovod VENV` starts one with VENV's "
+    "horovodrun (benchmarks/build_horovod.sh VENV builds Horovod for this torch); inside "
+    "one, start the job with horovodrun instead of ddlrun")
 
 
 ENGINES: dict[str, type[Engine]] = {
-    e.name: e for e in (DDL, DDLHeap, Gloo, MPI, NCCL)}
+    e.name: e for e in (DDL, DDLHeap, Gloo, MPI, NCCL, Horovod)}
 
 
 def make_engines(names: list[str], rank: int, size: int, device: str, collective: str,
@@ -483,8 +552,6 @@ def make_engines(names: list[str], rank: int, size: int, device: str, collective
     made: list[Engine] = []
     try:
         for name in names:
-            if name == "horovod":
-                raise Unavailable(HOROVOD)
             if name not in ENGINES:
                 raise Unavailable(f"unknown engine {name!r}: use {', '.join(ENGINES)}")
             engine = ENGINES[name](rank, size, device)
