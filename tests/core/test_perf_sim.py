@@ -356,6 +356,9 @@ def test_simulate_refuses_flags_it_would_ignore(tmp_path, capsys):
     assert "--sizes is for allreduce time" in capsys.readouterr().err
     assert main(["simulate", "--scaling", "weak", "--grid", "4x0"]) == 2
     assert "--grid '4x0'" in capsys.readouterr().err
+    assert main(["simulate", "--scaling", "weak", "--grid", "4x2x2x2"]) == 2  # hosts, racks
+    assert main(["simulate", "--grid", "4x2x2x2", "--sizes", "1M"]) == 0  # aisles: allreduce
+    capsys.readouterr()
     assert main(["simulate", "--scaling", "weak", "--overlap", "1.5"]) == 2
     assert main(["simulate", "--grid", "2x2", "--links", "net,1e-6"]) == 2
     assert "want name,alpha_seconds,bytes_per_second" in capsys.readouterr().err

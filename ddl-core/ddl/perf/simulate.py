@@ -204,14 +204,16 @@ def _count(text: str) -> float:
     return value
 
 
-def parse_grid(text: str) -> list[int]:
+def parse_grid(text: str, most: int | None = None) -> list[int]:
+    """--grid: positive sizes joined by x, innermost first (at most ``most`` of them)."""
     try:
         sizes = [int(d) for d in text.lower().split("x")]
     except ValueError:
         sizes = []
-    if not 1 <= len(sizes) <= 3 or min(sizes) < 1:
-        raise ValueError(f"--grid {text!r}: want 1 to 3 positive sizes joined by x, "
-                         "GPUs per host x hosts per rack x racks (e.g. 4x16x4)")
+    if not sizes or min(sizes) < 1 or (most and len(sizes) > most):
+        want = (f"1 to {most} positive sizes joined by x, GPUs per host x hosts per rack x "
+                "racks (e.g. 4x16x4)" if most else "positive sizes joined by x (e.g. 4x16x4)")
+        raise ValueError(f"--grid {text!r}: want {want}")
     return sizes
 
 
@@ -285,7 +287,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     base = PRESETS[args.preset or "powerai-2017"]
     changes: dict = {}
     if args.grid is not None:
-        dims = parse_grid(args.grid) + [1, 1]
+        dims = parse_grid(args.grid, most=3) + [1, 1]
         changes.update(gpus_per_host=dims[0], hosts_per_rack=dims[1], racks=dims[2])
     if args.profile is not None or args.links is not None:
         named = (links_from_profile(cost.load_profile(args.profile), 3) if args.profile
