@@ -115,6 +115,7 @@ def run_jobs(counts: Sequence[int], train_args: Sequence[str], timeout: float,
 
             def seen(line: str, n: int = n) -> None:
                 nonlocal tail
+                line = launch.clean(line)
                 tail = [*tail[-40:], line.rstrip("\n")]
                 if line.startswith("# total"):
                     progress.console.print(f"[{n} rank(s)] {line.strip()}", markup=False,
@@ -158,7 +159,7 @@ def scale_main(args: argparse.Namespace) -> int:
     counts = sorted(dict.fromkeys(args.ranks))
     try:
         env = same_threads(counts, launch, os.environ, len(os.sched_getaffinity(0)))
-        if env is not None and "OMP_NUM_THREADS" not in os.environ:
+        if env is not None and "OMP_NUM_THREADS" in env and "OMP_NUM_THREADS" not in os.environ:
             console.print(f"# every job: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} (cores // "
                           f"{max(counts)} ranks), so each rank computes alike at every count; "
                           "set OMP_NUM_THREADS to choose", markup=False, highlight=False)
