@@ -407,8 +407,9 @@ def test_via_horovod_trains_with_the_horovod_module_it_imports(tmp_path):
     (shim.parent / "__init__.py").write_text("")
     (shim / "__init__.py").write_text("from ddl.torch import *  # noqa: F403\n")
     out = tmp_path / "h.json"
-    env = dict(ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(shim.parent.parent),
-                                                             ENV.get("PYTHONPATH")])))
+    env = dict(ENV, HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",  # as horovodrun would
+               PYTHONPATH=os.pathsep.join(filter(None, [str(shim.parent.parent),
+                                                        ENV.get("PYTHONPATH")])))
     res = subprocess.run(_ddlrun(2, "train", *TINY_GPT, *FEW, "--via", "horovod", "--json",
                                  str(out)), capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env=env)
@@ -417,9 +418,16 @@ def test_via_horovod_trains_with_the_horovod_module_it_imports(tmp_path):
     assert doc["via"] == "horovod" and doc["ranks"] == 2
     assert all(r["wait_s"] is not None for r in doc["per_rank"])
     res = subprocess.run(_ddlrun(2, "train", *TINY_GPT, *FEW, "--via", "horovod"),
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=ENV)
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=dict(ENV, HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1"))
     assert res.returncode != 0 and "--via horovod: horovod.torch does not import" in (
         res.stdout + res.stderr)
+    # a job horovodrun did not start: Horovod itself would wait 30 s for a store nobody
+    # runs, then abort; refused at once instead
+    env.pop("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    res = subprocess.run(_ddlrun(2, "train", *TINY_GPT, *FEW, "--via", "horovod"),
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert res.returncode == 2 and "not started by horovodrun" in res.stderr, res.stderr
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,14 @@ class Launch:
 
 
 DDLRUN = Launch()  # ddlrun on this host: the default
+
+
+def horovod_can_join(environ: Mapping[str, str]) -> bool:
+    """Whether Horovod's init can find its peers here: a job of horovodrun (its Gloo
+    rendezvous) or of mpirun (an MPI build). Under ddlrun, whose HOROVOD_RANK/SIZE it
+    reads, Horovod waits 30 s for a store nobody runs and aborts the process."""
+    return bool(environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+                or environ.get("OMPI_COMM_WORLD_SIZE"))
 _HOROVODRUN_TAG = re.compile(r"^\[\d+\]<std(?:out|err)>:")
 
 

@@ -624,6 +624,12 @@ def _launched_size() -> int:
 
 def _horovod() -> Any:
     """Horovod itself, for --via horovod: the same loop, its DistributedOptimizer."""
+    from .ddlrun_job import horovod_can_join
+
+    if _launched_size() > 1 and not horovod_can_join(os.environ):
+        raise ValueError("--via horovod: this job was not started by horovodrun (or mpirun), "
+                         "so Horovod cannot find its peers: start it with horovodrun, or "
+                         "`ddl-perf scale --via horovod --horovod VENV`")
     try:
         import horovod.torch
     except ImportError as exc:

@@ -479,8 +479,9 @@ class Horovod(Engine):
 
     def __init__(self, rank: int, size: int, device: str) -> None:
         super().__init__(rank, size, device)
-        if not (os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-                or os.environ.get("OMPI_COMM_WORLD_SIZE")):
+        from .ddlrun_job import horovod_can_join
+
+        if not horovod_can_join(os.environ):
             raise Unavailable(HOROVOD_LAUNCH)
         try:
             import horovod
