@@ -323,6 +323,27 @@ def malloc(shape, dtype=np.float32) -> np.ndarray:
     return heap.malloc(shape, dtype)
 
 
+def shared_block(nbytes: int) -> np.ndarray | None:
+    """``nbytes`` (uint8) of this rank's shared heap, for a long-lived buffer moved there
+    (DDP's buckets): where no segment has room, the new one is sized to it, so /dev/shm
+    holds no more than the buffers. None where the job's engine has no heap;
+    ``DDLShmError`` when /dev/shm cannot take it."""
+    heap = _s().engine.heap
+    if heap is None:
+        return None
+    return heap.malloc((nbytes,), np.uint8, exact=True)
+
+
+def in_shared_memory(arr: np.ndarray) -> bool | None:
+    """Whether ``arr`` (C-contiguous) lives in this rank's shared heap, where peers read and
+    write it in place; None where the job's engine has no heap (``ddl.malloc`` gives private
+    memory there: several hosts, MPI, gloo)."""
+    heap = _s().engine.heap
+    if heap is None:
+        return None
+    return heap.locate(arr) != 0
+
+
 # ------------------------------------------------------------------------ groups
 def new_group(ranks, *, timeout: float | None = None) -> Group | None:
     """A group of the given global ranks (in that order: ``ranks[i]`` is the group's rank

@@ -153,6 +153,14 @@ _VARS = [
         "numpy arrays, not for torch-allocated tensors (docs/performance.md)",
     ),
     EnvVar(
+        "DDL_TORCH_SHARE_BYTES",
+        _size,
+        1 << 20,
+        "torch.distributed on ddl: a reused CPU buffer of at least this many bytes that an "
+        "allreduce issued during backward sends (DDP's gradient buckets) moves into the "
+        "shared heap on its second call, where peers reduce it in place (0: never)",
+    ),
+    EnvVar(
         "DDL_SHM_FENCES",
         _bool,
         None,

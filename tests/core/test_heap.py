@@ -66,3 +66,18 @@ def test_locate_only_knows_heap_memory(heap):
     assert heap.locate(a) != 0
     assert heap.locate(a[8:]) == heap.locate(a) + 32
     assert heap.locate(np.zeros(64, np.int32)) == 0
+
+
+def test_exact_requests_reserve_only_what_they_take_and_reuse_room(heap):
+    import mmap
+
+    a = heap.malloc((5000,), np.uint8, exact=True)  # no segment yet: one sized to it
+    assert [s.size for s in heap._segs] == [mmap.PAGESIZE * 2]
+    small = heap.malloc((1000,), np.uint8, exact=True)  # room left in it: no new segment
+    assert len(heap._segs) == 1 and heap.locate(small) != 0
+    del a, small
+    gc.collect()
+    b = heap.malloc((8000,), np.uint8, exact=True)  # the freed room, coalesced, fits it
+    assert len(heap._segs) == 1 and decode(heap.locate(b)) == (0, 0)
+    heap.malloc((100,), np.uint8)  # an ordinary request without room: a full segment
+    assert heap._segs[-1].size == 1 << 20

@@ -146,6 +146,26 @@ def test_scale_document_and_table():
     assert "efficiency" in text and "83.3%" in text and "100.0%" in text
 
 
+def test_side_by_side_table_splits_ddps_own_copies_from_its_communication():
+    ms = {"compute": 25, "ddp-nocomm": 41, "ddp-gloo": 80, "ddp-ddl": 46,
+          "ddp-view-nocomm": 34, "ddp-ddl-view": 39, "hvd-ddl": 38.5}
+    res = {"median_s": {k: v / 1e3 for k, v in ms.items()} | {k: 0.01 for k in train.COMM},
+           "params": 10, "bytes": 40, "ranks": 2, "buckets": 4, "ddp_ddl_equals_gloo": True}
+    rows = {ln.split()[0]: ln.split()[1:] for ln in train.format_table(res).splitlines()
+            if ln.startswith("  ")}
+    # step, exposed (step - compute), DDP's own (its no-comm twin - compute), comm (the rest)
+    assert rows["ddp-ddl"][:4] == ["46.0", "21.0", "16.0", "5.0"]
+    assert rows["ddp-ddl-view"][:4] == ["39.0", "14.0", "9.0", "5.0"]
+    assert rows["ddp-gloo"][:4] == ["80.0", "55.0", "16.0", "39.0"]
+    assert rows["ddp-nocomm"][:3] == ["41.0", "16.0", "16.0"]  # no comm cell
+    assert rows["hvd-ddl"][:3] == ["38.5", "13.5", "13.5"]  # all of it is its exchange
+    assert rows["compute"][0] == "25.0"
+    # a result written before the no-comm modes existed still prints
+    old = {**res, "median_s": {k: v for k, v in res["median_s"].items()
+                               if "nocomm" not in k and "view" not in k}}
+    assert "ddp-ddl" in train.format_table(old)
+
+
 def test_train_flags_round_trip_through_the_forwarded_argv():
     args = _train_args(*TINY_GPT, "--via", "ddp", "--precision", "amp")
     argv = train.train_argv(args)
@@ -357,6 +377,22 @@ def test_two_rank_ddlrun_job_reports_every_rank_and_the_total(tmp_path):
         sum(4 * 16 / r["step_s"] for r in doc["per_rank"]))
     assert sum(doc["shares"].values()) == pytest.approx(1.0)
     assert "tokens/s over 2 rank(s)" in res.stdout and "# how:" in res.stdout
+
+
+@pytest.mark.slow
+def test_side_by_side_comparison_runs_every_mode_with_buckets_moved(tmp_path):
+    out = tmp_path / "side.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DDL_TORCH_SHARE_BYTES": "64K"}
+    res = subprocess.run([sys.executable, "-m", "ddl.perf.train", "--ranks", "2", "--steps",
+                          "3", "--warmup", "2", "--rounds", "1", "--width", "256",
+                          "--comm-reps", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(train.MODES) | set(train.COMM) <= set(doc["median_s"])
+    # both DDP bucket modes on ddl, their buckets moved into the heap, equal DDP on gloo
+    assert doc["ddp_ddl_equals_gloo"] is True
+    assert "ddp-view-nocomm" in res.stdout and "DDP own ms" in res.stdout
 
 
 @pytest.mark.slow

@@ -57,21 +57,26 @@ class Heap:
         self._segment_bytes = max(segment_bytes, 1 << 20)
         self._segs: list[_Segment] = []
 
-    def _new_segment(self, at_least: int) -> int:
+    def _new_segment(self, at_least: int, exact: bool = False) -> int:
         k = len(self._segs)
-        size = max(self._segment_bytes, -(-at_least // mmap.PAGESIZE) * mmap.PAGESIZE)
+        size = -(-at_least // mmap.PAGESIZE) * mmap.PAGESIZE
+        if not exact:
+            size = max(self._segment_bytes, size)
         name = segments.segment_name(self._job, self._host, f"{self._scope}heap{self._lr}-{k}")
         mm = segments.create(name, size)
         u8 = np.frombuffer(mm, dtype=np.uint8)
         self._segs.append(_Segment(name, mm, u8, _base(u8), size, [(0, size)]))
         return k
 
-    def malloc(self, shape, dtype) -> np.ndarray:
+    def malloc(self, shape, dtype, exact: bool = False) -> np.ndarray:
+        """``exact``: where no segment has room, the new one is sized to the array (rounded
+        to pages), not to DDL_SHM_HEAP_BYTES, so no more of /dev/shm is reserved than it
+        takes (long-lived buffers moved here: DDP's buckets)."""
         dt = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        k, off = self._place(need)
+        k, off = self._place(need, exact)
         seg = self._segs[k]
         # An array made straight from the mapping (not a view of seg.u8): numpy collapses
         # view bases, so only an array whose base is the mmap itself is kept alive by every
@@ -80,12 +85,12 @@ class Heap:
         weakref.finalize(block, self._give_back, k, off, need)
         return block[:nbytes].view(dt).reshape(shape)
 
-    def _place(self, need: int) -> tuple[int, int]:
+    def _place(self, need: int, exact: bool = False) -> tuple[int, int]:
         for k, seg in enumerate(self._segs):
             off = self._take(seg, need)
             if off is not None:
                 return k, off
-        k = self._new_segment(need)
+        k = self._new_segment(need, exact)
         off = self._take(self._segs[k], need)
         if off is None:  # pragma: no cover - a fresh segment always fits
             raise DDLShmError(f"ddl.malloc could not place {need} bytes")

@@ -44,12 +44,17 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _too_small(name: str, size: int) -> DDLShmError:
+def space() -> tuple[int, int]:
+    """(total, free) bytes of the shared-memory file system."""
     st = os.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _too_small(name: str, size: int) -> DDLShmError:
+    total, free = space()
     return DDLShmError(
         f"cannot reserve {size / 2**20:.1f} MiB in {SHM_DIR} for {name} "
-        f"({free / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB). "
+        f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB). "
         "In a container, start it with a larger /dev/shm (docker run --shm-size=1g, or "
         "--ipc=host), or lower DDL_SHM_MAX_BYTES / DDL_SHM_HEAP_BYTES."
     )

@@ -29,8 +29,12 @@ import ddl
 from .. import timeline as _tl
 from ..errors import DDLConfigError
 from . import collectives
+from .shared_buckets import SharedBuckets
 
 BACKEND_NAME = "ddl"
+
+# DDP's reused buckets move into ddl's shared heap (shared_buckets.py)
+_shared = SharedBuckets()
 
 _REDUCE_OPS: dict[Any, ddl.ReduceOp] = {
     dist.ReduceOp.SUM: ddl.Sum,
@@ -229,8 +233,12 @@ class DDLProcessGroup(dist.ProcessGroup):
         handles, divided = [], []
         for t in tensors:
             engine_op, divide = _for_dtype(op, t)
-            handles.append(ddl.allreduce_async_(t, engine_op, name=f"torch.{what}",
-                                                group=self._group))
+            h = None
+            if self._group is None:  # DDP's buckets: into the shared heap, where they qualify
+                h = _shared.allreduce_async_(t, engine_op, f"torch.{what}")
+            if h is None:
+                h = ddl.allreduce_async_(t, engine_op, name=f"torch.{what}", group=self._group)
+            handles.append(h)
             if divide:
                 divided.append(t)
 
@@ -535,6 +543,8 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
     # send/recv: the core has no point-to-point; a gloo group of the same ranks, made now
     # (every member is here), carries it
     p2p = dist.ProcessGroupGloo(dist.PrefixStore("ddl/p2p/", store), rank, size, timeout)
+    if group is None:
+        _shared.configure()
     return DDLProcessGroup(rank, size, timeout, group, p2p)
 
 
