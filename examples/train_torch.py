@@ -67,7 +67,10 @@ def main() -> int:
                                                  momentum=0.9)
     if args.mode == "ddp":
         dist.init_process_group("ddl", init_method="env://")
-        net: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
+        # the gradients become views of DDP's buckets (which ddl keeps in shared memory):
+        # no copy of every gradient out of them after each step
+        net: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=True)
     else:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
