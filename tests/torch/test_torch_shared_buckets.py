@@ -43,7 +43,8 @@ def test_a_whole_reused_cpu_buffer_in_backward_qualifies(sb):
 
 
 @pytest.mark.parametrize("why", ["outside backward", "too small", "part of a storage",
-                                 "offset into a storage", "not contiguous", "disabled"])
+                                 "offset into a storage", "not contiguous", "sparse",
+                                 "disabled"])
 def test_buffers_that_must_stay_where_they_are(sb, why):
     t = torch.empty(1024)
     if why == "too small":
@@ -54,6 +55,8 @@ def test_buffers_that_must_stay_where_they_are(sb, why):
         t = torch.empty(2048)[1024:]
     elif why == "not contiguous":
         t = torch.empty(64, 64).t()
+    elif why == "sparse":
+        t = torch.eye(1024).to_sparse()
     elif why == "disabled":
         sb.configure(0)
     if why == "outside backward":

@@ -83,12 +83,12 @@ class SharedBuckets:
             self._refused = False
 
     def _eligible(self, t: torch.Tensor) -> bool:
-        if self._refused or self.min_bytes <= 0 or t.device.type != "cpu":
+        if (self._refused or self.min_bytes <= 0 or t.device.type != "cpu"
+                or t.layout != torch.strided):
             return False
         nbytes = t.numel() * t.element_size()
         return (nbytes >= self.min_bytes and t.is_contiguous() and t.storage_offset() == 0
-                and t.untyped_storage().nbytes() == nbytes and not t.is_sparse
-                and _in_backward())
+                and t.untyped_storage().nbytes() == nbytes and _in_backward())
 
     def _second_sight(self, t: torch.Tensor) -> bool:
         key = _key(t)
