@@ -334,6 +334,15 @@ def shared_block(nbytes: int) -> np.ndarray | None:
     return heap.malloc((nbytes,), np.uint8, exact=True)
 
 
+def jobs_in_flight() -> int:
+    """Jobs queued or running on ddl's workers, the job's and every group's: 0 when no
+    collective anywhere can still read or write a tensor."""
+    s = _s()
+    with _lock:
+        runtimes = {id(r): r for r in [s.runtime, *(g.runtime for g in s.groups)]}
+    return sum(r.busy_when_settled() for r in runtimes.values())  # groups may share one
+
+
 def in_shared_memory(arr: np.ndarray) -> bool | None:
     """Whether ``arr`` (C-contiguous) lives in this rank's shared heap, where peers read and
     write it in place; None where the job's engine has no heap (``ddl.malloc`` gives private

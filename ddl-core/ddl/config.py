@@ -158,7 +158,7 @@ _VARS = [
         1 << 20,
         "torch.distributed on ddl: a reused CPU buffer of at least this many bytes that an "
         "allreduce issued during backward sends (DDP's gradient buckets) moves into the "
-        "shared heap on its second call, where peers reduce it in place (0: never)",
+        "shared heap when it is allreduced again, where peers reduce it in place (0: never)",
     ),
     EnvVar(
         "DDL_SHM_FENCES",

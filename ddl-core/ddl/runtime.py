@@ -89,8 +89,18 @@ class Runtime:
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple[Handle, Callable[[], Any]]] = collections.deque()
         self._busy = 0  # queued or running
+        self._finishing = 0  # done, its handle's callbacks running
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    def busy_when_settled(self, timeout: float = 0.01) -> int:
+        """Jobs queued or running (a job counts until its handle's callbacks have run),
+        once no job is between its handle being done and its callbacks having run: that is
+        when a thread waiting for it wakes up, and the callbacks (a Work's result copies)
+        may still touch its tensors. Waits up to ``timeout`` for that."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._finishing == 0, timeout)
+            return self._busy
 
     def run(self, fn: Callable[[], Any], name: str = "") -> Any:
         # An unlocked read is enough: only this thread's own earlier submits matter for
@@ -125,15 +135,18 @@ class Runtime:
                 if not self._queue:
                     return
                 h, fn = self._queue.popleft()
+            error = None
             try:
                 with self._engine_lock:
                     result = fn()
             except BaseException as exc:  # handed to whoever waits on the handle
-                h._finish(error=exc)
-            else:
-                h._finish(result)
+                error, result = exc, None
+            with self._cv:
+                self._finishing += 1
+            h._finish(result, error)
             with self._cv:
                 self._busy -= 1
+                self._finishing -= 1
                 self._cv.notify_all()
 
     def drain(self) -> None:

@@ -81,3 +81,31 @@ def test_exact_requests_reserve_only_what_they_take_and_reuse_room(heap):
     assert len(heap._segs) == 1 and decode(heap.locate(b)) == (0, 0)
     heap.malloc((100,), np.uint8)  # an ordinary request without room: a full segment
     assert heap._segs[-1].size == 1 << 20
+
+
+def test_blocks_freed_on_other_threads_never_overlap_live_ones(heap):
+    import random
+    import threading
+
+    live, lock = [], threading.Lock()
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = []
+        for _ in range(300):
+            a = heap.malloc((rng.randrange(1, 20_000),), np.uint8)
+            a[:] = seed
+            mine.append(a)
+            if rng.random() < 0.6:
+                mine.pop(rng.randrange(len(mine)))  # freed here, on this thread
+        with lock:
+            live.extend((seed, a) for a in mine)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans = sorted(_span(a) for _, a in live)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all((a == seed).all() for seed, a in live)

@@ -38,8 +38,11 @@ def test_a_whole_reused_cpu_buffer_in_backward_qualifies(sb):
     t = torch.empty(1024)
     assert _in_backward(lambda: sb._eligible(t))
     # the first sight only remembers it; the second is the one that moves it
-    assert not sb._second_sight(t)
-    assert sb._second_sight(t)
+    assert not sb._seen_before(t)
+    assert sb._seen_before(t)
+    # another storage at the same address (a fresh tensor each step) is a first sight
+    u = torch.empty(1024)
+    assert not sb._seen_before(u)
 
 
 @pytest.mark.parametrize("why", ["outside backward", "too small", "part of a storage",
@@ -67,9 +70,20 @@ def test_buffers_that_must_stay_where_they_are(sb, why):
 
 def test_configure_forgets_what_it_saw(sb):
     t = torch.empty(1024)
-    assert not sb._second_sight(t)
+    assert not sb._seen_before(t)
     sb.configure(4096)
-    assert not sb._second_sight(t)
+    assert not sb._seen_before(t)
+
+
+def test_a_storage_that_died_is_forgotten_even_at_the_same_address(sb):
+    t = torch.empty(1024)
+    assert not sb._seen_before(t)
+    address = t.untyped_storage()._cdata
+    del t
+    # the remembered weak reference keeps the address from going to another storage
+    fresh = [torch.empty(1024) for _ in range(64)]
+    assert all(f.untyped_storage()._cdata != address for f in fresh)
+    assert not any(sb._seen_before(f) for f in fresh)
 
 
 @pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
@@ -88,15 +102,44 @@ def test_a_buffer_moves_only_while_dev_shm_keeps_a_quarter_free(sb, monkeypatch)
     from ddl.torch import shared_buckets
 
     t = torch.empty(1 << 20)  # 4 MiB
-    sb._second_sight(t)
+    sb._seen_before(t)
+    monkeypatch.setattr(shared_buckets, "in_shared_memory", lambda arr: False)
+    monkeypatch.setattr(shared_buckets, "jobs_in_flight", lambda: 0)
     # 16 MiB of /dev/shm with 6 MiB free: 2 MiB would be left, under a quarter (4 MiB)
     monkeypatch.setattr(shared_buckets.segments, "space", lambda: (16 << 20, 6 << 20))
+    monkeypatch.setattr(shared_buckets, "shared_block", lambda n: pytest.fail("moved"))
+    assert not _in_backward(lambda: sb.move_if_reused(t))
+    monkeypatch.setattr(shared_buckets.segments, "space", lambda: (16 << 20, 9 << 20))
+    asked = []  # 5 MiB left, over a quarter: it asks the heap for the block
+    monkeypatch.setattr(shared_buckets, "shared_block", lambda n: asked.append(n))
+    assert not _in_backward(lambda: sb.move_if_reused(t))
+    assert asked == [4 << 20]
+
+
+def test_nothing_moves_while_queued_work_might_use_it(sb, monkeypatch):
+    from ddl.torch import shared_buckets
+
+    t, other = torch.empty(1024), torch.empty(1024)
+    sb._seen_before(t)
     monkeypatch.setattr(shared_buckets, "in_shared_memory", lambda arr: False)
     monkeypatch.setattr(shared_buckets, "shared_block", lambda n: pytest.fail("moved"))
-    assert _in_backward(lambda: sb.allreduce_async_(t, None, "x")) is None
-    monkeypatch.setattr(shared_buckets.segments, "space", lambda: (16 << 20, 9 << 20))
-    asked = []  # 7 MiB left, over a quarter: it asks the heap for the block
+
+    class Handle:
+        def add_done_callback(self, fn):
+            self.fn = fn
+
+    queued = [1]
+    monkeypatch.setattr(shared_buckets, "jobs_in_flight", lambda: queued[0])
+    # one job queued that is not this backend's allreduce (a broadcast, a hvd call): no move
+    assert not _in_backward(lambda: sb.move_if_reused(t))
+    # it is the backend's allreduce of t itself, still in flight: no move
+    h = Handle()
+    sb.track(t, h)
+    assert not _in_backward(lambda: sb.move_if_reused(t))
+    h.fn(h)
+    # only another storage's allreduce in flight: t may move (it asks for the block)
+    sb.track(other, Handle())
+    asked = []
     monkeypatch.setattr(shared_buckets, "shared_block", lambda n: asked.append(n))
-    sb._second_sight(t)
-    assert _in_backward(lambda: sb.allreduce_async_(t, None, "x")) is None
-    assert asked == [4 << 20]
+    assert not _in_backward(lambda: sb.move_if_reused(t))
+    assert asked == [4096]

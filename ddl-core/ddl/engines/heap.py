@@ -9,7 +9,9 @@ same for fusion buffers). Peers map a heap segment the first time an operation n
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -56,6 +58,11 @@ class Heap:
         self._lr = local_rank
         self._segment_bytes = max(segment_bytes, 1 << 20)
         self._segs: list[_Segment] = []
+        # A block comes back on whichever thread drops its last array (ddl's worker too,
+        # or the garbage collector in the middle of a malloc): it is only queued there, and
+        # malloc files the queue into the free lists under the lock.
+        self._lock = threading.Lock()
+        self._returned: collections.deque[tuple[int, int, int]] = collections.deque()
 
     def _new_segment(self, at_least: int, exact: bool = False) -> int:
         k = len(self._segs)
@@ -76,7 +83,10 @@ class Heap:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        k, off = self._place(need, exact)
+        with self._lock:
+            while self._returned:
+                self._file_free(*self._returned.popleft())
+            k, off = self._place(need, exact)
         seg = self._segs[k]
         # An array made straight from the mapping (not a view of seg.u8): numpy collapses
         # view bases, so only an array whose base is the mmap itself is kept alive by every
@@ -108,6 +118,9 @@ class Heap:
         return None
 
     def _give_back(self, k: int, off: int, size: int) -> None:
+        self._returned.append((k, off, size))  # atomic: no lock, so no re-entrance
+
+    def _file_free(self, k: int, off: int, size: int) -> None:
         if k >= len(self._segs):
             return
         free = self._segs[k].free

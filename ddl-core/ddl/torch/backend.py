@@ -233,11 +233,11 @@ class DDLProcessGroup(dist.ProcessGroup):
         handles, divided = [], []
         for t in tensors:
             engine_op, divide = _for_dtype(op, t)
-            h = None
             if self._group is None:  # DDP's buckets: into the shared heap, where they qualify
-                h = _shared.allreduce_async_(t, engine_op, f"torch.{what}")
-            if h is None:
-                h = ddl.allreduce_async_(t, engine_op, name=f"torch.{what}", group=self._group)
+                _shared.move_if_reused(t)
+            h = ddl.allreduce_async_(t, engine_op, name=f"torch.{what}", group=self._group)
+            if self._group is None:
+                _shared.track(t, h)
             handles.append(h)
             if divide:
                 divided.append(t)

@@ -4,24 +4,29 @@ A tensor in ddl's heap (``ddl.malloc``) is reduced where it lives: two synchroni
 for the whole call, no copy into the staging slots and none back. DDP's buckets are
 torch's own memory, allocated once and handed to every backward's allreduce, so on the
 shared-memory engine each call staged them chunk by chunk, one synchronisation per chunk:
-on a loaded host each synchronisation waits for the peer's thread to be scheduled, which is
-most of what DDP's exposed communication cost (docs/performance.md).
+on a loaded host each synchronisation waits for the peer's thread to be scheduled
+(docs/performance.md, "DDP's buckets in the shared heap").
 
-The backend therefore moves such a buffer into the heap the second time it sees it, on
-ddl's worker, in the same job as its allreduce (so after every earlier collective): a heap
-block of the storage's size takes its bytes, and the two storages swap their memory
-(``UntypedStorage._swap_data_ptr_``), so every view of the storage (DDP's bucket views, the
-gradients with ``gradient_as_bucket_view``) follows, and the private memory is released.
-Only buffers that cannot be observed moving are taken:
+The backend therefore moves such a buffer into the heap when it sees it again, on the
+caller's thread, just before queueing its allreduce: a heap block takes the storage's bytes
+and the two storages swap their memory (``UntypedStorage._swap_data_ptr_``), so every view
+of the storage (DDP's bucket views, the gradients with ``gradient_as_bucket_view``)
+follows, and the private memory is released. Only buffers that cannot be seen moving are
+taken:
 
 - an allreduce issued during a backward pass (where DDP and its comm hooks run),
 - a contiguous CPU tensor that spans its whole storage, of ``DDL_TORCH_SHARE_BYTES`` or
-  more, seen before (DDP's buckets are reused; a fresh tensor each step stays where it is),
+  more, whose storage this backend allreduced before and which is still that storage
+  (DDP's buckets are reused; a fresh tensor each step stays where it is),
+- only while nothing queued on ddl's workers can still read or write it: no collective is
+  in flight but this backend's allreduces of other storages,
 - while /dev/shm keeps a quarter of its size free after it.
 
-A numpy array taken from such a tensor earlier (``p.grad.numpy()`` with
-``gradient_as_bucket_view``) would keep the old memory's address; DDP invalidates those
-itself when it rebuilds its buckets after the first step, and docs/pytorch.md says so.
+A moved storage cannot be resized (``resize_`` raises, as for any tensor from
+``torch.from_numpy``); DDP never resizes its buckets. A numpy array taken from such a tensor
+earlier (``p.grad.numpy()`` with ``gradient_as_bucket_view``) keeps the old memory's address;
+DDP invalidates those itself when it rebuilds its buckets after the first step, and
+docs/pytorch.md says so.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ import threading
 from collections import OrderedDict
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import ddl
 
 from .. import config
-from ..api import _planned, dispatch, in_shared_memory, plan_allreduce, shared_block
+from ..api import in_shared_memory, jobs_in_flight, shared_block
 from ..engines import segments
 
 _log = logging.getLogger("ddl")
@@ -55,18 +61,18 @@ def _in_backward() -> bool:
     return probe is not None and probe() != -1
 
 
-def _key(t: torch.Tensor) -> tuple[int, int, int]:
-    s = t.untyped_storage()
-    return s._cdata, s.data_ptr(), s.nbytes()
-
-
 class SharedBuckets:
-    """Decides, per allreduce, whether its tensor moves into the heap, and moves it."""
+    """Decides, per allreduce of the backend, whether its tensor moves into the heap first,
+    and moves it."""
 
     def __init__(self) -> None:
         self.min_bytes = 0  # nothing moves until configure()
-        self.moved = 0  # buffers moved so far (tests and the timeline read it)
-        self._seen: OrderedDict[tuple[int, int, int], None] = OrderedDict()
+        self.moved = 0  # buffers moved so far (tests read it)
+        # storages allreduced once, by StorageImpl address: the weak reference keeps the
+        # address from being reused by another storage while it is remembered
+        self._seen: OrderedDict[int, StorageWeakRef] = OrderedDict()
+        self._inflight: dict[int, int] = {}  # this backend's allreduces queued, per storage
+        self._inflight_total = 0
         self._lock = threading.Lock()
         self._refused = False  # the heap could not grow: stop trying
 
@@ -90,55 +96,75 @@ class SharedBuckets:
         return (nbytes >= self.min_bytes and t.is_contiguous() and t.storage_offset() == 0
                 and t.untyped_storage().nbytes() == nbytes and _in_backward())
 
-    def _second_sight(self, t: torch.Tensor) -> bool:
-        key = _key(t)
+    def _seen_before(self, t: torch.Tensor) -> bool:
+        """Whether this very storage was allreduced here before; remembers it if not."""
+        storage = t.untyped_storage()
         with self._lock:
-            if key in self._seen:
-                del self._seen[key]
+            ref = self._seen.get(storage._cdata)
+            if ref is not None and not ref.expired():
+                self._seen.move_to_end(storage._cdata)
                 return True
-            self._seen[key] = None
+            self._seen[storage._cdata] = StorageWeakRef(storage)
             if len(self._seen) > _REMEMBERED:
                 self._seen.popitem(last=False)
             return False
 
-    def allreduce_async_(self, t: torch.Tensor, op: ddl.ReduceOp, name: str
-                         ) -> ddl.Handle | None:
-        """If ``t`` qualifies (see the module's doc): move it into the heap and allreduce it
-        there in place, both in one job on the job's worker, and return its handle. The
-        move runs after every earlier collective (one may still write ``t``), and if it
-        fails the collective does not run on garbage: this rank raises and its peers time
-        out naming it. None: ``t`` stays where it is (the caller sends it as usual)."""
-        if not self._eligible(t) or not self._second_sight(t):
-            return None
-        if in_shared_memory(t.detach().view(-1).view(torch.uint8).numpy()) is not False:
-            return None  # already there, or no heap on this engine
-        nbytes = t.numel() * t.element_size()
+    def _untouched_by_queued_work(self, t: torch.Tensor) -> bool:
+        """No job queued on ddl's workers can read or write ``t``: every job in flight is an
+        allreduce of this backend, and none of another storage's is of ``t``'s."""
+        # Both counts only fall while we look (jobs finish; our own count falls first), and
+        # ours never exceeds ddl's: read ddl's first, and equality means nothing else runs.
+        queued = jobs_in_flight()
+        with self._lock:
+            return (self._inflight_total == queued
+                    and t.untyped_storage()._cdata not in self._inflight)
+
+    def track(self, t: torch.Tensor, handle: ddl.Handle) -> None:
+        """Count the backend's allreduce of ``t`` as in flight until ``handle`` is done."""
+        key = t.untyped_storage()._cdata
+        with self._lock:
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+            self._inflight_total += 1
+
+        def done(_: ddl.Handle) -> None:
+            with self._lock:
+                self._inflight_total -= 1
+                left = self._inflight.pop(key) - 1
+                if left:
+                    self._inflight[key] = left
+
+        handle.add_done_callback(done)
+
+    def move_if_reused(self, t: torch.Tensor) -> bool:
+        """Move ``t``'s storage into the heap if it qualifies (see the module's doc), here,
+        before its allreduce is queued. Returns whether it moved."""
+        if not self._eligible(t) or not self._seen_before(t):
+            return False
+        flat = t.detach().view(-1).view(torch.uint8)
+        if in_shared_memory(flat.numpy()) is not False:
+            return False  # already there, or no heap on this engine
+        nbytes = flat.numel()
         total, free = segments.space()
         if free - nbytes < total * KEEP_FREE:
-            return None  # leave /dev/shm to DataLoader workers and the rest of the host
+            return False  # leave /dev/shm to DataLoader workers and the rest of the host
+        if not self._untouched_by_queued_work(t):
+            return False  # a later call, when nothing queued can still use its memory
         try:
             heap = shared_block(nbytes)
         except ddl.DDLShmError as exc:
             self._refused = True
             _log.warning("[ddl] DDP's buckets stay in private memory (staged): %s", exc)
-            return None
+            return False
         if heap is None:
-            return None
+            return False
         block = torch.from_numpy(heap)
-        # the collective's tensor has a storage of its own: block's is swapped by the move
-        target = torch.from_numpy(heap).view(t.dtype).view(t.shape)
-        reduce = _planned(lambda: plan_allreduce(target, op, None, True, None), target, op,
-                          name, None)
-
-        def move_then_reduce() -> torch.Tensor:
-            with torch.no_grad():
-                block.copy_(t.detach().view(-1).view(torch.uint8))
-            # every view of t's storage now sees the heap; block's storage takes the
-            # private memory, released with it after this job
-            t.untyped_storage()._swap_data_ptr_(block.untyped_storage())
-            with self._lock:
-                self.moved += 1
-            reduce()
-            return t
-
-        return dispatch(move_then_reduce, name, True)
+        with torch.no_grad():
+            block.copy_(flat)
+        # every view of t's storage now sees the heap; block's storage takes the private
+        # memory, released with it below
+        t.untyped_storage()._swap_data_ptr_(block.untyped_storage())
+        del block, flat
+        with self._lock:
+            self.moved += 1
+            self._seen.pop(t.untyped_storage()._cdata, None)
+        return True

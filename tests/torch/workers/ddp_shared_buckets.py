@@ -1,7 +1,7 @@
 """DDP's buckets in ddl's shared heap (ddl/torch/shared_buckets.py): DDP on ddl, with its
 buckets moved, still equals DDP on gloo in both bucket modes, with and without every rank
-moving them; buffers that must stay where they are stay; a move queued behind a collective
-still in flight on the same tensor waits for it.
+moving them; buffers that must stay where they are stay; a tensor with collectives in
+flight never moves under them.
 
 Run with a small DDL_TORCH_SHARE_BYTES (the test sets 64 KiB) so these small models move.
 """
@@ -9,6 +9,7 @@ Run with a small DDL_TORCH_SHARE_BYTES (the test sets 64 KiB) so these small mod
 import copy
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddl
 import ddl.torch  # noqa: F401 - registers the "ddl" backend
-from ddl.api import in_shared_memory
+from ddl.api import in_shared_memory, jobs_in_flight
 from ddl.torch import backend
 
 torch.set_num_threads(1)
@@ -128,26 +129,44 @@ for _ in range(3):  # part of a larger storage: the rest may be in use, left alo
 ok["partial_storage_stays"] = big.data_ptr() == ptr and not in_heap(big)
 ok["partial_storage_sum"] = bool((part == S).all())
 
-# A second collective on a tensor whose first is still in flight: the move is queued after
-# the first (which writes the tensor) and before the second (which must read that result).
+def settle() -> None:
+    """Until ddl's workers have finished every job with its callbacks (a job's handle is
+    done a moment before its queue stops counting it)."""
+    deadline = time.monotonic() + 10
+    while jobs_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+# Several collectives on one tensor in flight at once, as a comm hook that allreduces and
+# then broadcasts its bucket does: a move may only happen while no queued job can still
+# read or write the tensor's old memory, and every call after it must see the new memory.
 buf = torch.empty(1 << 16)
 results = []
+moved_when = []
 for _ in range(4):
     buf.fill_(R + 1)
+    before = shared.moved
 
-    def twice():
-        w1 = dist.all_reduce(buf, async_op=True)
-        w2 = dist.all_reduce(buf, async_op=True)
-        w1.wait()
-        w2.wait()
+    def three():
+        works = [dist.all_reduce(buf, async_op=True), dist.broadcast(buf, src=N - 1,
+                                                                     async_op=True),
+                 dist.all_reduce(buf, async_op=True)]
+        for w in works:
+            w.wait()
 
-    in_backward(twice)
+    in_backward(three)
     results.append(bool((buf == N * S).all()))
-ok["in_flight_twice_sums"] = all(results)
+    moved_when.append(shared.moved - before)
+    settle()
+ok["in_flight_three_results"] = all(results)
+# moved once, by a call that found nothing queued: the first of the second step, or one
+# of the first step's if the calls before it had finished
+ok["in_flight_moved_once"] = sum(moved_when) == 1 and moved_when[2:] == [0, 0]
 ok["in_flight_buffer_moved"] = in_heap(buf)
 
 # Several buffers issued back to back, random values of odd sizes, every step checked
-# against gloo: the worker may run a move before the caller has planned its collective.
+# against gloo: each moves while the allreduces of the others are in flight, as DDP's
+# buckets do.
 bufs = [torch.empty(n) for n in (16384 + 7, 65536 + 21, 20000)]
 results = []
 for step in range(5):
@@ -164,6 +183,7 @@ for step in range(5):
     for b, v in zip(bufs, vals):
         dist.all_reduce(v, group=gloo)
         results.append(same(b, v) if EXACT else bool(torch.allclose(b, v, atol=1e-5)))
+    settle()
 ok["back_to_back_sums"] = all(results)
 ok["back_to_back_moved"] = all(in_heap(b) for b in bufs)
 
