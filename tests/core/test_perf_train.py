@@ -392,6 +392,7 @@ def test_side_by_side_comparison_runs_every_mode_with_buckets_moved(tmp_path):
     assert set(train.MODES) | set(train.COMM) <= set(doc["median_s"])
     # both DDP bucket modes on ddl, their buckets moved into the heap, equal DDP on gloo
     assert doc["ddp_ddl_equals_gloo"] is True
+    assert doc["ddp_buckets_in_heap"] >= 2  # one per DDP-on-ddl model at least, every rank
     assert "ddp-view-nocomm" in res.stdout and "DDP own ms" in res.stdout
 
 

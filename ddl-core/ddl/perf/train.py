@@ -818,9 +818,13 @@ def _worker(args: argparse.Namespace) -> int:
     keys = sorted(med)
     worst = hvd.allreduce(torch.tensor([med[k] for k in keys], dtype=torch.float64),
                           op=hvd.Max)
+    from ddl.torch.backend import _shared
+
+    moved = int(hvd.allreduce(torch.tensor([_shared.moved]), op=hvd.Min))
     if rank == 0:
         print(json.dumps({"ranks": size, "params": params, "bytes": nbytes,
                           "buckets": len(hopt.buckets), "ddp_ddl_equals_gloo": same,
+                          "ddp_buckets_in_heap": moved,
                           "median_s": dict(zip(keys, worst.tolist()))}), flush=True)
     dist.destroy_process_group()
     return 0
@@ -967,6 +971,9 @@ def format_table(res: dict) -> str:
         lines.append(f"  {'raw-horovod (allreduce only)':<28} {1e3 * h['raw-horovod']:8.1f} "
                      f"{res['bytes'] / h['raw-horovod'] / 1e9:11.2f} "
                      f"{h['raw-horovod'] / m['raw-ddl']:10.2f}x")
+    if "ddp_buckets_in_heap" in res:
+        lines.append(f"# DDP buckets moved into ddl's shared heap (fewest on a rank): "
+                     f"{res['ddp_buckets_in_heap']} (DDL_TORCH_SHARE_BYTES, docs/pytorch.md)")
     lines.append(f"# DistributedOptimizer: {res['buckets']} fusion bucket(s); "
                  f"DDP on ddl (both bucket modes) equals DDP on gloo: "
                  f"{res['ddp_ddl_equals_gloo']}")
