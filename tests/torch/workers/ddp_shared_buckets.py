@@ -140,10 +140,12 @@ def settle() -> None:
 # Several collectives on one tensor in flight at once, as a comm hook that allreduces and
 # then broadcasts its bucket does: a move may only happen while no queued job can still
 # read or write the tensor's old memory, and every call after it must see the new memory.
+# The first step allreduces it once (seen); the second's first call moves it, with two
+# more calls on it right behind.
 buf = torch.empty(1 << 16)
 results = []
 moved_when = []
-for _ in range(4):
+for step in range(4):
     buf.fill_(R + 1)
     before = shared.moved
 
@@ -154,14 +156,16 @@ for _ in range(4):
         for w in works:
             w.wait()
 
-    in_backward(three)
-    results.append(bool((buf == N * S).all()))
+    if step == 0:
+        in_backward(lambda: dist.all_reduce(buf))
+        results.append(bool((buf == S).all()))
+    else:
+        in_backward(three)
+        results.append(bool((buf == N * S).all()))
     moved_when.append(shared.moved - before)
     settle()
 ok["in_flight_three_results"] = all(results)
-# moved once, by a call that found nothing queued: the first of the second step, or one
-# of the first step's if the calls before it had finished
-ok["in_flight_moved_once"] = sum(moved_when) == 1 and moved_when[2:] == [0, 0]
+ok["in_flight_moved_by_the_first_call"] = moved_when == [0, 1, 0, 0]
 ok["in_flight_buffer_moved"] = in_heap(buf)
 
 # Several buffers issued back to back, random values of odd sizes, every step checked
