@@ -948,7 +948,8 @@ def format_table(res: dict) -> str:
             continue
         cells = ["", "", ""]
         if mode != "compute":
-            own = DDP_OWN.get(mode) if DDP_OWN.get(mode) in m else None
+            own = DDP_OWN.get(mode)
+            own = own if own in m else None
             cells[0] = f"{1e3 * (m[mode] - m['compute']):.1f}"
             if own is not None:
                 cells[1] = f"{1e3 * (m[own] - m['compute']):.1f}"

@@ -231,13 +231,14 @@ class DDLProcessGroup(dist.ProcessGroup):
     def _allreduce(self, tensors: Sequence[torch.Tensor], op: ddl.ReduceOp,
                    what: str) -> DDLWork:
         handles, divided = [], []
+        shared = _shared if self._group is None else None  # the job's heap: default group
         for t in tensors:
             engine_op, divide = _for_dtype(op, t)
-            if self._group is None:  # DDP's buckets: into the shared heap, where they qualify
-                _shared.move_if_reused(t)
+            if shared is not None:  # DDP's buckets: into the shared heap, where they qualify
+                shared.move_if_reused(t)
             h = ddl.allreduce_async_(t, engine_op, name=f"torch.{what}", group=self._group)
-            if self._group is None:
-                _shared.track(t, h)
+            if shared is not None:
+                shared.track(t, h)
             handles.append(h)
             if divide:
                 divided.append(t)
