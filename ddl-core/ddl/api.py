@@ -457,12 +457,15 @@ def plan_allreduce(tensor, op, out, inplace: bool, group: Group | None = None
     return job
 
 
-def plan_allreduce_into(sources: list, out, op, group: Group | None = None
-                         ) -> Callable[[], Any]:
+def plan_allreduce_into(sources: list, out, op, group: Group | None = None, *,
+                         grouped: bool = False) -> Callable[[], Any]:
     """Allreduce the concatenation of ``sources`` (flattened, one dtype, CPU) into ``out``
     (a flat contiguous CPU buffer), or in place on the sources when ``out`` is None: a fused
     allreduce whose fusion buffer is never filled. The same bits, and the same steps on the
-    wire, as an allreduce of the filled buffer."""
+    wire, as an allreduce of the filled buffer, which a rank that joined (Horovod's join)
+    runs instead; ``grouped``: the call is a grouped allreduce of these tensors, and their
+    sizes are part of its identity (``grouped_layout``), so ranks that split the same total
+    differently raise ``DDLMismatchError`` instead of reducing unrelated elements."""
     engine, _, _ = _target(group)
     op = parse_op(op)
     if not sources:
@@ -498,8 +501,10 @@ def plan_allreduce_into(sources: list, out, op, group: Group | None = None
                 raise DDLConfigError("fused allreduce: a source overlaps out somewhere other "
                                      "than its own place in it")
 
+    shape = grouped_layout([f.array.size for f in parts]) if grouped else (total,)
+
     def job():
-        engine.allreduce(src, dst, dt, op, (total,))
+        engine.allreduce(src, dst, dt, op, shape)
         if g is not None:
             return out
         for f in parts:
@@ -507,6 +512,13 @@ def plan_allreduce_into(sources: list, out, op, group: Group | None = None
         return sources
 
     return job
+
+
+def grouped_layout(sizes: list[int]) -> tuple[int, ...]:
+    """The shape a grouped allreduce of tensors of ``sizes`` elements shows the engines'
+    identity checks: ``(-len(sizes), *sizes)``. No tensor has a negative dimension, so it
+    never equals a plain allreduce's shape, nor another split of the same total."""
+    return (-len(sizes), *sizes)
 
 
 def _rows_of(shape: tuple[int, ...], what: str) -> tuple[int, tuple[int, ...], int]:
@@ -660,12 +672,12 @@ SPELLINGS: tuple[tuple[str, str, str, bool, str | None], ...] = (
     ("allreduce_async_", f"tensor, {_OP}, *", "plan_allreduce(tensor, op, None, True, group)",
      True, None),
     ("grouped_allreduce_", f"tensors, {_OP}, *",
-     "plan_allreduce_into(list(tensors), None, op, group)", False,
+     "plan_allreduce_into(list(tensors), None, op, group, grouped=True)", False,
      "Allreduce several tensors of one dtype in place, as one fused collective: the same "
      "steps and bits as an allreduce of their concatenation, but no fusion buffer is filled "
      "(each tensor is staged from where it lives). Returns ``tensors``."),
     ("grouped_allreduce_async_", f"tensors, {_OP}, *",
-     "plan_allreduce_into(list(tensors), None, op, group)", True, None),
+     "plan_allreduce_into(list(tensors), None, op, group, grouped=True)", True, None),
     ("allgather", "tensor, *", "plan_allgather(tensor, group)", False,
      "Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."),
     ("allgather_async", "tensor, *", "plan_allgather(tensor, group)", True, None),

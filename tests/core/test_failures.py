@@ -61,6 +61,23 @@ def test_mismatched_calls_raise_on_every_rank_and_the_job_goes_on():
     assert "3x4" in shape_msg and "2x6" in shape_msg
 
 
+@pytest.mark.parametrize("n,per", [(3, None), (4, 2)], ids=["shm-3", "2 hosts of 2"])
+def test_grouped_calls_that_split_differently_raise_on_every_rank(n, per):
+    """Rank 0 grouping [100, 200] elements and the others [200, 100] (the same total) used
+    to reduce every rank's first tensor with parts of the others' second, silently."""
+    reps = reports(run_worker("failures.py", n, "grouped_mismatch",
+                              env=dict(DDL_TIMEOUT="20"),
+                              per_rank_env=hosts_env(n, per) if per else None))
+    for r in reps:
+        for case, res in r["results"].items():
+            assert res["kind"] == "DDLMismatchError", (r["rank"], case, res)
+            assert res["after"] == n * (n - 1) // 2, f"out of step after the {case} mismatch"
+        assert r["same"] == [n, 2 * n, n, 2 * n], r
+    if per is None:  # the shared-memory engine's report shows every rank's layout
+        msg = reps[0]["results"]["split"]["msg"]
+        assert "100+200 in 2 tensors" in msg and "200+100 in 2 tensors" in msg, msg
+
+
 def test_bad_input_is_refused_locally():
     for r in reports(run_worker("failures.py", 2, "bad_input")):
         res = r["results"]

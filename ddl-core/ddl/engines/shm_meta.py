@@ -172,7 +172,7 @@ class Records:
             b = self._blk[i] + W_META[p]
             nd = q[b + M_NDIM]
             dims = [q[b + M_DIMS + k] for k in range(min(nd, MAX_DIMS))]
-            shape = "x".join(map(str, dims)) + ("x..." if nd > MAX_DIMS else "")
+            shape = _show_dims(dims, nd)
             dt = BY_CODE.get(q[b + M_DTYPE])
             hvd = " (Horovod-level)" if q[b + M_KEY] >> IDENT_SHIFT else ""
             lines.append(
@@ -180,6 +180,17 @@ class Records:
                 f"{dt.name if dt else '-'}[{shape or 'scalar'}] root/extra={q[b + M_ROOT]}"
             )
         return "\n".join(lines)
+
+
+def _show_dims(dims: list[int], nd: int) -> str:
+    """A record's dimensions as a mismatch report shows them; a grouped allreduce's layout
+    (``api.grouped_layout``: minus the tensor count, then each tensor's size) as
+    ``100+200 in 2 tensors``."""
+    more = nd > MAX_DIMS
+    if dims and dims[0] < 0:
+        sizes = "+".join(map(str, dims[1:])) + ("+..." if more else "")
+        return f"{sizes} in {-dims[0]} tensors"
+    return "x".join(map(str, dims)) + ("x..." if more else "")
 
 
 # ------------------------------------------------------------------ call identities

@@ -72,6 +72,30 @@ elif scenario == "mismatch":
         results[name] = dict(kind=kind, msg=msg, after=int(ok[0]))
     report(results=results)
 
+elif scenario == "grouped_mismatch":
+    # A grouped call's layout is part of its identity: ranks splitting the same total
+    # differently used to reduce unrelated elements together, on every rank, silently.
+    def grouped(sizes, n=1):
+        parts = [np.full(k * n, float(i + 1), np.float32) for i, k in enumerate(sizes)]
+        return lambda: ddl.grouped_allreduce_(parts, op=ddl.Sum)
+
+    odd = victim == R
+    cases = {
+        "split": grouped([200, 100] if odd else [100, 200]),
+        "split_large": grouped([200, 100] if odd else [100, 200], 1000),
+        "count": grouped([100, 100, 100] if odd else [100, 200]),
+        "vs_plain": (lambda: ddl.allreduce_(np.ones(300, np.float32), op=ddl.Sum)) if odd
+        else grouped([100, 200]),
+    }
+    results = {}
+    for name, fn in cases.items():
+        kind, msg, _ = expect_error(fn)
+        ok = ddl.allreduce(np.full(5, R, np.int64), op=ddl.Sum)
+        results[name] = dict(kind=kind, msg=msg, after=int(ok[0]))
+    same = [np.full(k, float(i + 1), np.float32) for i, k in enumerate([100, 200])]
+    ddl.grouped_allreduce_(same, op=ddl.Sum)
+    report(results=results, same=[float(t[0]) for t in same] + [float(t[-1]) for t in same])
+
 elif scenario == "bad_input":
     out = {}
     for name, fn in {
