@@ -33,10 +33,11 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 docs: install
 	$(BIN)/ddl-perf env --markdown > .env-table.md
-	$(BIN)/python -c "import re,sys; p='docs/tuning.md'; s=open(p).read(); t=open('.env-table.md').read().rstrip(); a=s.index('| variable | default | meaning |'); b=s.index('\n\n', a); open(p,'w').write(s[:a]+t+s[b:])"
+	$(BIN)/python -c "import re,sys; p='docs/tuning.md'; s=open(p).read(); t=open('.env-table.md').read().rstrip(); a=s.index('| variable | default |'); b=s.index('\n\n', a); open(p,'w').write(s[:a]+t+s[b:])"
 	@rm -f .env-table.md
 	$(BIN)/python -m pytest -q tests/core/test_docs.py
 

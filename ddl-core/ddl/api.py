@@ -15,17 +15,18 @@ import logging
 import operator
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import config, grid, identity, options, tensors, timeline
+from . import config, failures, grid, identity, options, tensors, timeline
 from .devices import DeviceRouter
 from .engines.local import LocalEngine
 from .errors import DDLConfigError, DDLError, DDLMismatchError
 from .groups import Group, GroupMaker, check_ranks
-from .ops import Average, ReduceOp, check_op, parse_op  # noqa: F401 - Average: SPELLINGS
+from .ops import Average, ReduceOp, check_op, parse_op
+from .rendezvous import PortInUse, connect
 from .runtime import Handle, Runtime
 from .topology import World, world_from_env
 
@@ -69,6 +70,7 @@ def init() -> None:
         if _session is not None:
             return
         _generation += 1
+        failures.install()  # an uncaught exception writes this rank's failure record
         world = world_from_env()
         opts = options.parse(config.get("DDL_OPTIONS"))
         options.check_grid(opts, world.size)
@@ -133,10 +135,21 @@ def _identify(world: World) -> tuple[World, Any]:
         return dataclasses.replace(world, job_id=identity.random_job_id()), None
     addr, port = config.get("MASTER_ADDR"), _port()
     timeout = config.init_timeout()
-    rdzv = _join(world)
+    secret = identity.job_secret()
     try:
-        job_id = identity.agree_job_id(rdzv.client, world.rank, world.size, timeout,
-                                       f"{addr}:{port}")
+        rdzv = _join(world)
+    except PortInUse as exc:
+        # Another job's rank 0 holds the port: that job may have taken in this job's other
+        # ranks, and must not complete with them (identity.agree_job_id).
+        if secret is None and identity.report_second_owner(addr, port, _generation,
+                                                           min(timeout, 2.0)):
+            raise DDLConfigError(f"{exc}; the job that holds it was told, so neither job "
+                                 "completes with the other's ranks") from None
+        raise DDLConfigError(str(exc)) from None
+    try:
+        job_id = identity.agree_job_id(
+            rdzv.client, world.rank, world.size, timeout, f"{addr}:{port}",
+            settle=0.0 if secret is not None else config.get("DDL_RENDEZVOUS_SETTLE"))
     except BaseException:
         rdzv.close()
         raise
@@ -146,8 +159,6 @@ def _identify(world: World) -> tuple[World, Any]:
 def _join(world: World):
     """This init's generation of ddl's rendezvous, kept in the session so that shutdown()
     closes it (an engine's own one would outlive the session and keep the port)."""
-    from .rendezvous import connect
-
     return connect(world.rank, world.size, config.get("MASTER_ADDR"), _port(),
                    identity.job_secret(), config.init_timeout(), generation=_generation)
 
@@ -261,10 +272,17 @@ def shutdown() -> None:
                         if s.rdzv is not None:
                             s.rdzv.close()
                         _session = None
-                        timeline.flush()
+                        timeline.left_job()
 
 
-atexit.register(shutdown)
+def _at_exit() -> None:
+    """The interpreter exits: the peers are told that this process leaves (and with which
+    exception), not that it called ``ddl.shutdown()`` (ddl.failures)."""
+    failures.at_exit()
+    shutdown()
+
+
+atexit.register(_at_exit)
 
 
 def is_initialized() -> bool:
@@ -423,10 +441,10 @@ def dispatch(job: Callable[[], Any], name: str, async_: bool, group: Group | Non
 
 def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, tensors.Flat]:
     if inplace:
-        return f.original, f
+        return f.original, tensors.writable(f, what)
     if out is None:
         return tensors.empty_like(f)
-    g = tensors.flatten(out, name="out")
+    g = tensors.writable(tensors.flatten(out, name="out"), what, "out")
     if g.dtype != f.dtype or g.array.size != f.array.size:
         raise DDLConfigError(
             f"{what}: out has {g.dtype.name}[{g.array.size}] but the input is "
@@ -478,12 +496,14 @@ def plan_allreduce_into(sources: list, out, op, group: Group | None = None, *,
     check_op(op, dt)
     src = tensors.Pieces([f.array for f in parts])
     if out is None:
+        for f in parts:
+            tensors.writable(f, "fused allreduce")
         g, dst = None, src
         spans = sorted((f.array.__array_interface__["data"][0], f.array.nbytes) for f in parts)
         if any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
             raise DDLConfigError("fused allreduce in place: two of the tensors share memory")
     else:
-        g = tensors.flatten(out, name="out")
+        g = tensors.writable(tensors.flatten(out, name="out"), "fused allreduce", "out")
         if g.staged:
             raise DDLConfigError("fused allreduce: out must be a contiguous CPU tensor or array")
         dst = g.array
@@ -570,7 +590,7 @@ def plan_broadcast(tensor, root_rank: int, inplace: bool, group: Group | None = 
         return devices.plan_broadcast(backend, tensor, root_rank, inplace)
     f = tensors.flatten(tensor)
     if inplace:
-        result, g = f.original, f
+        result, g = f.original, tensors.writable(f, "broadcast")
     else:
         result, g = tensors.empty_like(f)
         np.copyto(g.array, f.array)
@@ -655,67 +675,133 @@ def _refuse_collectively(exc: Exception, tensor: Any, op: Any, name: str,
 
 
 # ------------------------------------------------------------------ the spellings
-# Every public spelling of a collective, one row each: its name, its arguments before
-# ``name``/``group``, the plan it queues, whether it returns a Handle at once, its doc
-# (None: "queued"). ``x_`` works in place. The functions are generated from the rows (as
-# dataclasses generates methods): each is exactly ``dispatch(_planned(plan...), name or its
-# name, async, group)`` with the signature written here.
-_OP = "op: ReduceOp | str = Average"
-SPELLINGS: tuple[tuple[str, str, str, bool, str | None], ...] = (
-    ("allreduce", f"tensor, {_OP}, *, out=None", "plan_allreduce(tensor, op, out, False, group)",
-     False, "Reduce ``tensor`` over all ranks and return the result (a new tensor, or "
-            "``out``)."),
-    ("allreduce_", f"tensor, {_OP}, *", "plan_allreduce(tensor, op, None, True, group)", False,
-     "In-place allreduce; returns ``tensor``."),
-    ("allreduce_async", f"tensor, {_OP}, *, out=None",
-     "plan_allreduce(tensor, op, out, False, group)", True, None),
-    ("allreduce_async_", f"tensor, {_OP}, *", "plan_allreduce(tensor, op, None, True, group)",
-     True, None),
-    ("grouped_allreduce_", f"tensors, {_OP}, *",
-     "plan_allreduce_into(list(tensors), None, op, group, grouped=True)", False,
-     "Allreduce several tensors of one dtype in place, as one fused collective: the same "
-     "steps and bits as an allreduce of their concatenation, but no fusion buffer is filled "
-     "(each tensor is staged from where it lives). Returns ``tensors``."),
-    ("grouped_allreduce_async_", f"tensors, {_OP}, *",
-     "plan_allreduce_into(list(tensors), None, op, group, grouped=True)", True, None),
-    ("allgather", "tensor, *", "plan_allgather(tensor, group)", False,
-     "Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."),
-    ("allgather_async", "tensor, *", "plan_allgather(tensor, group)", True, None),
-    ("broadcast", "tensor, root_rank: int = 0, *",
-     "plan_broadcast(tensor, root_rank, False, group)", False,
-     "Return a copy of ``root_rank``'s tensor on every rank."),
-    ("broadcast_", "tensor, root_rank: int = 0, *",
-     "plan_broadcast(tensor, root_rank, True, group)", False,
-     "Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."),
-    ("broadcast_async", "tensor, root_rank: int = 0, *",
-     "plan_broadcast(tensor, root_rank, False, group)", True, None),
-    ("broadcast_async_", "tensor, root_rank: int = 0, *",
-     "plan_broadcast(tensor, root_rank, True, group)", True, None),
-    ("reduce_scatter", f"tensor, {_OP}, *", "plan_reduce_scatter(tensor, op, group)", False,
-     "Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."),
-    ("reduce_scatter_async", f"tensor, {_OP}, *", "plan_reduce_scatter(tensor, op, group)",
-     True, None),
-)
+# Every public spelling of a collective is a thin ``def`` over one ``plan_*``: ``x`` blocks
+# and returns a new result, ``x_`` works in place, ``x_async``/``x_async_`` return a Handle
+# at once (``synchronize``/``poll``, or ``handle.wait()``). Each only names its plan.
+OpArg = ReduceOp | str
 
 
-def _generate(rows: tuple[tuple[str, str, str, bool, str | None], ...]) -> None:
-    for label, args, plan, async_, doc in rows:
-        ret = "Handle" if async_ else "Any"
-        first = args.split(",")[0]
-        op = "op" if "op:" in args else "None"
-        src = (f"def {label}({args}, name: str | None = None, group: Group | None = None"
-               f") -> {ret}:\n"
-               # read once: the plan and a refusal both look at the tensors
-               + (f"    {first} = list({first})\n" if first == "tensors" else "")
-               + f"    return dispatch(_planned(lambda: {plan}, {first}, {op}, "
-               f"name or {label!r}, group), name or {label!r}, {async_}, group)\n")
-        exec(src, globals())  # noqa: S102 - our own rows, as dataclasses does
-        globals()[label].__doc__ = doc if doc is not None else (
-            f"``{label.replace('_async', '')}``, queued: returns a Handle at once "
-            "(``synchronize``/``poll``, or ``handle.wait()`` for the result).")
+def _issue(make: Callable[[], Callable[[], Any]], first: Any, op: Any, label: str,
+           name: str | None, group: Group | None, async_: bool) -> Any:
+    """Queue ``make()``'s plan as ``name`` (default: the spelling's ``label``)."""
+    label = name or label
+    return dispatch(_planned(make, first, op, label, group), label, async_, group)
 
 
-_generate(SPELLINGS)
+def allreduce(tensor: Any, op: OpArg = Average, *, out: Any = None, name: str | None = None,
+              group: Group | None = None) -> Any:
+    """Reduce ``tensor`` over all ranks and return the result (a new tensor, or ``out``)."""
+    return _issue(lambda: plan_allreduce(tensor, op, out, False, group), tensor, op,
+                  "allreduce", name, group, False)
+
+
+def allreduce_(tensor: Any, op: OpArg = Average, *, name: str | None = None,
+               group: Group | None = None) -> Any:
+    """In-place allreduce; returns ``tensor``."""
+    return _issue(lambda: plan_allreduce(tensor, op, None, True, group), tensor, op,
+                  "allreduce_", name, group, False)
+
+
+def allreduce_async(tensor: Any, op: OpArg = Average, *, out: Any = None,
+                    name: str | None = None, group: Group | None = None) -> Handle:
+    """``allreduce``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    return _issue(lambda: plan_allreduce(tensor, op, out, False, group), tensor, op,
+                  "allreduce_async", name, group, True)
+
+
+def allreduce_async_(tensor: Any, op: OpArg = Average, *, name: str | None = None,
+                     group: Group | None = None) -> Handle:
+    """``allreduce_``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    return _issue(lambda: plan_allreduce(tensor, op, None, True, group), tensor, op,
+                  "allreduce_async_", name, group, True)
+
+
+def grouped_allreduce_(tensors: Sequence[Any], op: OpArg = Average, *, name: str | None = None,
+                       group: Group | None = None) -> Any:
+    """Allreduce several tensors of one dtype in place, as one fused collective: the same
+    steps and bits as an allreduce of their concatenation, but no fusion buffer is filled
+    (each tensor is staged from where it lives). Every rank passes the same sizes (they are
+    part of the call's identity). Returns ``tensors``."""
+    tensors = list(tensors)  # read once: the plan and a refusal both look at them
+    return _issue(lambda: plan_allreduce_into(tensors, None, op, group, grouped=True),
+                  tensors, op, "grouped_allreduce_", name, group, False)
+
+
+def grouped_allreduce_async_(tensors: Sequence[Any], op: OpArg = Average, *,
+                             name: str | None = None, group: Group | None = None) -> Handle:
+    """``grouped_allreduce_``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    tensors = list(tensors)
+    return _issue(lambda: plan_allreduce_into(tensors, None, op, group, grouped=True),
+                  tensors, op, "grouped_allreduce_async_", name, group, True)
+
+
+def allgather(tensor: Any, *, name: str | None = None, group: Group | None = None) -> Any:
+    """Concatenate every rank's tensor along dimension 0 (first dimensions may differ)."""
+    return _issue(lambda: plan_allgather(tensor, group), tensor, None, "allgather", name,
+                  group, False)
+
+
+def allgather_async(tensor: Any, *, name: str | None = None,
+                    group: Group | None = None) -> Handle:
+    """``allgather``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    return _issue(lambda: plan_allgather(tensor, group), tensor, None, "allgather_async", name,
+                  group, True)
+
+
+def broadcast(tensor: Any, root_rank: int = 0, *, name: str | None = None,
+              group: Group | None = None) -> Any:
+    """Return a copy of ``root_rank``'s tensor on every rank."""
+    return _issue(lambda: plan_broadcast(tensor, root_rank, False, group), tensor, None,
+                  "broadcast", name, group, False)
+
+
+def broadcast_(tensor: Any, root_rank: int = 0, *, name: str | None = None,
+               group: Group | None = None) -> Any:
+    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
+    return _issue(lambda: plan_broadcast(tensor, root_rank, True, group), tensor, None,
+                  "broadcast_", name, group, False)
+
+
+def broadcast_async(tensor: Any, root_rank: int = 0, *, name: str | None = None,
+                    group: Group | None = None) -> Handle:
+    """``broadcast``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    return _issue(lambda: plan_broadcast(tensor, root_rank, False, group), tensor, None,
+                  "broadcast_async", name, group, True)
+
+
+def broadcast_async_(tensor: Any, root_rank: int = 0, *, name: str | None = None,
+                     group: Group | None = None) -> Handle:
+    """``broadcast_``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    return _issue(lambda: plan_broadcast(tensor, root_rank, True, group), tensor, None,
+                  "broadcast_async_", name, group, True)
+
+
+def reduce_scatter(tensor: Any, op: OpArg = Average, *, name: str | None = None,
+                   group: Group | None = None) -> Any:
+    """Reduce over ranks, then return this rank's block of dimension 0 (``split_rows``)."""
+    return _issue(lambda: plan_reduce_scatter(tensor, op, group), tensor, op, "reduce_scatter",
+                  name, group, False)
+
+
+def reduce_scatter_async(tensor: Any, op: OpArg = Average, *, name: str | None = None,
+                         group: Group | None = None) -> Handle:
+    """``reduce_scatter``, queued: returns a Handle at once (``synchronize``/``poll``,
+    or ``handle.wait()`` for the result)."""
+    return _issue(lambda: plan_reduce_scatter(tensor, op, group), tensor, op,
+                  "reduce_scatter_async", name, group, True)
+
+
+# The public spellings of the collectives, blocking ones first then their queued twins.
+SPELLINGS: tuple[Callable[..., Any], ...] = (
+    allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce_,
+    grouped_allreduce_async_, allgather, allgather_async, broadcast, broadcast_,
+    broadcast_async, broadcast_async_, reduce_scatter, reduce_scatter_async)
 
 
 def barrier(*, group: Group | None = None) -> None:

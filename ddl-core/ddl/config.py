@@ -1,27 +1,66 @@
 """The one registry of environment variables that PowerDDL reads.
 
 Library code never reads ``os.environ`` directly: it asks this module, so every knob has a
-name, a type, a default and a line of documentation in one place (``ddl-perf env`` and
-docs/tuning.md list them from here).
+name, a type, a default, for a number the range the code can honour, and a line of
+documentation in one place (``ddl-perf env`` and docs/tuning.md list them from here). A
+value that does not parse or lies outside its range is one DDLConfigError line naming the
+variable, the value and the range.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from fractions import Fraction
+from typing import Any, NamedTuple
 
 from .errors import DDLConfigError
 
 
 @dataclass(frozen=True)
 class EnvVar:
+    """One variable: its parser, default and doc, and for a number the range the code can
+    honour (``low``..``high``, inclusive; ``unit`` names what the bounds count). ``get``
+    refuses a value outside it, and the docs table shows it (``allowed``)."""
+
     name: str
     parse: Callable[[str], Any]
     default: Any
     doc: str
+    low: float | None = None
+    high: float | None = None
+    unit: str = ""
+
+    def show(self, value: Any) -> str:
+        """A value as the docs write it: sizes with their suffix (``4M``), numbers as %g."""
+        if value is None:
+            return ""
+        if self.unit == "bytes":
+            return show_size(value)
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value)
+
+    @property
+    def allowed(self) -> str:
+        """The range as errors and docs show it, e.g. ``64K..1P bytes``; "" when none."""
+        if self.low is None and self.high is None:
+            return ""
+        if self.high is None:
+            span = f">= {self.show(self.low)}"
+        elif self.low is None:
+            span = f"<= {self.show(self.high)}"
+        else:
+            span = f"{self.show(self.low)}..{self.show(self.high)}"
+        return f"{span} {self.unit}".rstrip()
+
+    def inside(self, value: Any) -> bool:
+        """Whether a parsed value lies within the range (NaN never does)."""
+        return ((self.low is None or value >= self.low)
+                and (self.high is None or value <= self.high))
 
 
 def _bool(text: str) -> bool:
@@ -33,17 +72,65 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (0/1), got {text!r}")
 
 
+def _int(text: str) -> int:
+    """A whole number in ASCII digits (``int`` alone also takes ``1_000`` and other
+    scripts' digits)."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise ValueError(f"expected a whole number, got {text!r}")
+    return int(text)
+
+
+_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?"
+
+
+def _number(text: str) -> float:
+    """A finite decimal number (``float`` alone also takes ``nan``, ``inf`` and ``1e999``)."""
+    if not re.fullmatch(_NUMBER, text.strip()):
+        raise ValueError(f"expected a number, got {text!r}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("not a finite number")
+    return value
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE = re.compile(rf"(?P<num>{_NUMBER})\s*(?P<unit>[KMGTP]?)(?:I?B)?", re.IGNORECASE)
+
+
 def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G suffix (binary units): ``4M`` is 4 MiB."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    if t and t[-1] in "KMG":
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
-        t = t[:-1]
-    value = int(float(t) * mult)
+    """Bytes, with an optional K/M/G/T/P suffix (binary units): ``4M`` is 4 MiB."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"expected bytes like 65536, 64K, 4M or 1G, got {text!r}")
+    # exact (no float rounding of large values; the exponent is at most 4 digits)
+    value = int(Fraction(m["num"]) * _SIZE_UNITS[m["unit"].upper()])
     if value < 0:
         raise ValueError("must not be negative")
     return value
+
+
+def show_size(n: int) -> str:
+    """Bytes with the largest suffix that divides them: 65536 -> ``64K``."""
+    for suffix in ("P", "T", "G", "M", "K"):
+        unit = _SIZE_UNITS[suffix]
+        if n and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+# the ranges: what the code can honour
+PORTS = dict(low=1, high=65535)
+MAX_RANKS = 1 << 20  # ranks in a job
+MAX_LOCAL_RANKS = 4096  # ranks on one host (ddlrun's cap on slots per host)
+SECONDS = dict(low=0.001, high=7 * 24 * 3600.0, unit="seconds")  # a week at most
+MAX_BYTES = 1 << 50  # 1 PiB: more than any host's memory, far from int64's end
+SLOT_MIN = 64 << 10  # the shared-memory engine's staging per rank and parity, at least
+HEAP_MIN = 1 << 20  # a shared heap segment, at least (engines/heap.py rounds up to it)
+CHUNK_MIN = 4 << 10  # a pipeline chunk, at least (algorithms/multidim.py, engines/device.py)
+
+
+def _bytes(low: int) -> dict:
+    return dict(low=low, high=MAX_BYTES, unit="bytes")
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -57,13 +144,16 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 _VARS = [
     # The torchrun contract: set by ddlrun, torchrun, or by hand.
-    EnvVar("RANK", int, 0, "global rank of this process"),
-    EnvVar("WORLD_SIZE", int, 1, "number of ranks in the job"),
-    EnvVar("LOCAL_RANK", int, None, "rank among the processes on this host (default: RANK)"),
-    EnvVar("LOCAL_WORLD_SIZE", int, None, "processes on this host (default: WORLD_SIZE)"),
-    EnvVar("GROUP_RANK", int, 0, "index of this host (node rank) in the job"),
+    EnvVar("RANK", _int, 0, "global rank of this process", low=0, high=MAX_RANKS - 1),
+    EnvVar("WORLD_SIZE", _int, 1, "number of ranks in the job", low=1, high=MAX_RANKS),
+    EnvVar("LOCAL_RANK", _int, None, "rank among the processes on this host (default: RANK)",
+           low=0, high=MAX_LOCAL_RANKS - 1),
+    EnvVar("LOCAL_WORLD_SIZE", _int, None, "processes on this host (default: WORLD_SIZE)",
+           low=1, high=MAX_LOCAL_RANKS),
+    EnvVar("GROUP_RANK", _int, 0, "index of this host (node rank) in the job", low=0,
+           high=MAX_RANKS - 1),
     EnvVar("MASTER_ADDR", str, "127.0.0.1", "address of rank 0, for cross-host rendezvous"),
-    EnvVar("MASTER_PORT", int, 29500, "port of rank 0, for cross-host rendezvous"),
+    EnvVar("MASTER_PORT", _int, 29500, "port of rank 0, for cross-host rendezvous", **PORTS),
     # PowerDDL's own.
     EnvVar("DDL_OPTIONS", str, "", "IBM DDL option string, e.g. '-mode b:4x2 -dump_iter 100'"),
     EnvVar(
@@ -75,23 +165,38 @@ _VARS = [
     ),
     EnvVar(
         "DDL_HOST_INDEX",
-        int,
+        _int,
         None,
         "index of this host in the job, used to scope shared memory (default: GROUP_RANK)",
+        low=0,
+        high=MAX_RANKS - 1,
     ),
     EnvVar("DDL_HOSTS", str, "", "comma-separated host list of the job (set by ddlrun)"),
     EnvVar(
         "DDL_TIMEOUT",
-        float,
+        _number,
         30.0,
         "seconds a collective waits for a peer before raising DDLError",
+        **SECONDS,
     ),
     EnvVar(
         "DDL_INIT_TIMEOUT",
-        float,
+        _number,
         None,
         "seconds ddl.init() (and new_group) waits for the other ranks to arrive "
         "(default: DDL_TIMEOUT)",
+        **SECONDS,
+    ),
+    EnvVar(
+        "DDL_RENDEZVOUS_SETTLE",
+        _number,
+        1.0,
+        "seconds ranks started without a job id or secret (by hand, torchrun) wait at init, "
+        "once all have arrived, for a sign that another job shares their rendezvous port "
+        "before they trust who joined (0: do not wait; see docs/security.md)",
+        low=0.0,
+        high=60.0,
+        unit="seconds",
     ),
     EnvVar(
         "DDL_JOB_SECRET",
@@ -113,14 +218,18 @@ _VARS = [
         _size,
         4 << 20,
         "staging bytes per rank and parity in the shared-memory engine; larger messages "
-        "are pipelined in chunks of this size (capped by DDL_SHM_MAX_BYTES)",
+        "are pipelined in chunks of this size (capped by DDL_SHM_MAX_BYTES / (2 x ranks on "
+        "the host), in whole pages)",
+        **_bytes(SLOT_MIN),
     ),
     EnvVar(
         "DDL_SHM_MAX_BYTES",
         _size,
         32 << 20,
         "upper bound on the staging area of the shared-memory engine per host "
-        "(Docker's default /dev/shm is 64 MiB)",
+        "(Docker's default /dev/shm is 64 MiB); it must leave 64 KiB per rank and parity: "
+        "at least 128K x the ranks on the host",
+        **_bytes(2 * SLOT_MIN),
     ),
     EnvVar(
         "DDL_SHM_SMALL_BYTES",
@@ -128,6 +237,7 @@ _VARS = [
         64 << 10,
         "messages up to this size use the one-step allreduce (every rank reduces all inputs); "
         "larger ones reduce-scatter then allgather through the staging area",
+        **_bytes(0),
     ),
     EnvVar(
         "DDL_SHM_WAIT",
@@ -142,6 +252,7 @@ _VARS = [
         _size,
         256 << 20,
         "size of each shared heap segment behind ddl.malloc() (created on first use)",
+        **_bytes(HEAP_MIN),
     ),
     EnvVar(
         "DDL_SHM_CMA",
@@ -159,6 +270,7 @@ _VARS = [
         "torch.distributed on ddl: a reused CPU buffer of at least this many bytes that an "
         "allreduce issued during backward sends (DDP's gradient buckets) moves into the "
         "shared heap when it is allreduced again, where peers reduce it in place (0: never)",
+        **_bytes(0),
     ),
     EnvVar(
         "DDL_SHM_FENCES",
@@ -169,11 +281,12 @@ _VARS = [
     ),
     EnvVar(
         "DDL_PORT",
-        int,
+        _int,
         None,
         "port of ddl's own rendezvous (an authenticated store on rank 0, bound to "
         "MASTER_ADDR) for the cross-host engines and for jobs that agree their id at init "
         "(default: MASTER_PORT + 1, so torch's own group keeps MASTER_PORT)",
+        **PORTS,
     ),
     EnvVar(
         "DDL_TRANSPORT",
@@ -214,15 +327,9 @@ _VARS = [
         8 << 20,
         "chunk size of the multi-dimensional allreduce pipeline: chunk i+1's intra-host "
         "work overlaps chunk i's transfer across hosts",
+        **_bytes(CHUNK_MIN),
     ),
 ]
-
-
-def _ms(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise ValueError("must not be negative")
-    return value
 
 
 _VARS += [
@@ -230,10 +337,10 @@ _VARS += [
     # its arguments override these.
     EnvVar("DDL_FUSION_THRESHOLD", _size, 128 << 20,
            "bytes of gradients fused into one allreduce by DistributedOptimizer "
-           "(K/M/G suffixes; 0 disables fusion)"),
-    EnvVar("DDL_CYCLE_TIME", _ms, 1.0,
+           "(K/M/G suffixes; 0 disables fusion)", **_bytes(0)),
+    EnvVar("DDL_CYCLE_TIME", _number, 1.0,
            "milliseconds: gradients ready within one cycle share a fusion buffer "
-           "(0: fuse by size only)"),
+           "(0: fuse by size only)", low=0.0, high=60_000.0, unit="ms"),
 ]
 
 
@@ -241,7 +348,7 @@ def _tasks_per_node(text: str) -> tuple[int, ...]:
     """Slurm's ``2(x3),1`` -> (2, 2, 2, 1)."""
     out: list[int] = []
     for part in text.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        m = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", part.strip())
         if not m:
             raise ValueError(f"expected counts like '2(x3),1', got {part!r}")
         out += [int(m[1])] * int(m[2] or 1)
@@ -284,20 +391,35 @@ _VARS += [
            "'2(x3),1' (with SLURM_NODEID, LOCAL_WORLD_SIZE)"),
 ]
 
+_VARS += [
+    # Set by ddlrun for every rank (the launcher's registry has it too).
+    EnvVar("DDL_ERROR_FILE", str, None,
+           "where this rank writes its failure record (JSON: the uncaught exception, the "
+           "user's frame, the time, whether a peer's failure caused it) when it dies of an "
+           "exception; ddlrun sets it per rank and blames the root cause from the records "
+           "(unset: no record)"),
+]
+
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
 
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """The parsed value of a registered variable, or its default when unset or empty."""
+    """The parsed value of a registered variable, or its default when unset or empty.
+    DDLConfigError, one line naming the variable, the value and the allowed range, when the
+    value does not parse or lies outside the range."""
     var = REGISTRY[name]
     env = os.environ if environ is None else environ
     raw = env.get(name)
     if raw is None or raw == "":
         return var.default
+    allowed = f" (allowed: {var.allowed})" if var.allowed else ""
     try:
-        return var.parse(raw)
-    except (ValueError, TypeError) as exc:
-        raise DDLConfigError(f"{name}={raw!r} is invalid: {exc}") from None
+        value = var.parse(raw)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise DDLConfigError(f"{name}={raw!r} is invalid: {exc}{allowed}") from None
+    if not var.inside(value):
+        raise DDLConfigError(f"{name}={raw!r} is out of range{allowed}")
+    return value
 
 
 def init_timeout(environ: Mapping[str, str] | None = None) -> float:
@@ -309,9 +431,30 @@ def init_timeout(environ: Mapping[str, str] | None = None) -> float:
 def store_port(master_port: int, ddl_port: int | None = None) -> int:
     """The port of ddl's store: DDL_PORT, else MASTER_PORT + 1, so torch's own group keeps
     MASTER_PORT (the core binds it; ddlrun checks it is free before the job starts)."""
-    return ddl_port or master_port + 1
+    port = ddl_port or master_port + 1
+    if port > PORTS["high"]:
+        raise DDLConfigError(
+            f"MASTER_PORT={master_port} leaves no port for ddl's store (MASTER_PORT + 1 = "
+            f"{port} is above {PORTS['high']}): set DDL_PORT, or a lower MASTER_PORT")
+    return port
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(name, default, doc) for every variable, for docs and ``ddl-perf env``."""
-    return [(v.name, "" if v.default is None else str(v.default), v.doc) for v in _VARS]
+class Row(NamedTuple):
+    name: str
+    default: str  # "" when the variable has none
+    allowed: str  # "" when any value its parser takes is allowed
+    doc: str
+
+
+def describe() -> list[Row]:
+    """One row per variable, for docs and ``ddl-perf env``."""
+    return [Row(v.name, v.show(v.default), v.allowed, v.doc) for v in _VARS]
+
+
+def markdown() -> str:
+    """The table of docs/tuning.md (``ddl-perf env --markdown``; ``make docs`` puts it
+    there)."""
+    lines = ["| variable | default | allowed | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{r.name}` | {r.default or '-'} | {r.allowed or '-'} | {r.doc} |"
+              for r in describe()]
+    return "\n".join(lines)

@@ -6,8 +6,14 @@ T = steps * alpha + bytes_on_the_wire * beta + bytes_reduced * gamma, per dimens
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+
+from . import config
+from .engines.identity_round import ROW_BYTES
+from .errors import DDLConfigError
+from .grid import chunk_sizes  # the engine's own chunking
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,6 @@ def pipeline_time(dims: list[tuple[str, int, Link]], nbytes: float, chunk_bytes:
     with it; the outermost allreduces each chunk). Each dimension is modelled as one
     server that does one operation at a time, and the schedule is played out exactly,
     so fill, drain and the ramp chunks at both ends are counted, not approximated."""
-    from .algorithms.multidim import chunk_sizes  # the engine's own chunking
-
     dims = [d for d in dims if d[1] > 1]
     if not dims or nbytes <= 0:
         return 0.0
@@ -152,8 +156,6 @@ def identity_round_time(dims: list[tuple[str, int, Link]]) -> float:
     after one shared-memory step inside the host (a grid of the host's ranks, then
     dimensions across hosts), or on any other grid gathered from every rank, over the
     slowest link. Nothing on one host (the shared-memory engine checks its ranks itself)."""
-    from .engines.identity_round import ROW_BYTES
-
     dims = [d for d in dims if d[1] > 1]
     if all(alg == "shm" for alg, _, _ in dims):
         return 0.0
@@ -216,8 +218,6 @@ class Profile:
 
 def profile_from_json(doc: object, where: str) -> Profile:
     """``where`` names the source in errors (a path)."""
-    from .errors import DDLConfigError
-
     def bad(why: str) -> DDLConfigError:
         return DDLConfigError(f"cost profile {where}: {why} (write one with "
                               "`ddlrun ... ddl-perf calibrate -o PATH`)")
@@ -251,10 +251,6 @@ def profile_from_json(doc: object, where: str) -> Profile:
 
 
 def load_profile(path: str) -> Profile:
-    import json
-
-    from .errors import DDLConfigError
-
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -266,8 +262,6 @@ def load_profile(path: str) -> Profile:
 
 
 def save_profile(profile: Profile, path: str) -> None:
-    import json
-
     with open(path, "w") as f:
         json.dump(profile.to_json(), f, indent=1)
         f.write("\n")
@@ -278,8 +272,6 @@ _loaded: dict[str, Profile] = {}
 
 def env_profile() -> Profile | None:
     """The profile named by DDL_COST_PROFILE (read once per path), or None."""
-    from . import config
-
     path = config.get("DDL_COST_PROFILE")
     if not path:
         return None

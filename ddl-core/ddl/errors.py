@@ -1,21 +1,52 @@
-"""Typed errors. Every message names the rank, the operation and, where it helps, the fix."""
+"""Typed errors. Every message names the rank, the operation and, where it helps, the fix.
+
+``after_peer``: the error is the consequence of another rank's failure (it died, left, aborted
+or did not come in time). The failure record of a rank that dies of it says so
+(ddl.failures), and ddlrun then blames the rank whose failure came first instead. Every such
+error made in this process is remembered (its message, the last few), so that an error
+that only carries its text on (torch's futures re-raise a RuntimeError with the message,
+TensorFlow an op error) is still known for one.
+"""
 
 from __future__ import annotations
+
+import collections
+
+_PEER_FAILURES: collections.deque[str] = collections.deque(maxlen=8)
 
 
 class DDLError(RuntimeError):
     """Base class of every error PowerDDL raises on purpose."""
+
+    after_peer = False
+
+
+class _AfterPeer(DDLError):
+    """An error that another rank's failure caused (see the module's docstring)."""
+
+    after_peer = True
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        text = str(self)
+        if len(text) >= 10:  # long enough not to be found by chance in another message
+            _PEER_FAILURES.append(text)
+
+
+def peer_failures() -> tuple[str, ...]:
+    """The messages of the last errors of this process that a peer's failure caused."""
+    return tuple(_PEER_FAILURES)
 
 
 class DDLConfigError(DDLError, ValueError):
     """A bad environment variable, option string or argument."""
 
 
-class DDLTimeoutError(DDLError, TimeoutError):
+class DDLTimeoutError(_AfterPeer, TimeoutError):
     """A peer did not reach a collective within the timeout."""
 
 
-class DDLPeerError(DDLError):
+class DDLPeerError(_AfterPeer):
     """A peer died or aborted during a collective."""
 
 

@@ -24,6 +24,24 @@ def even_split(n_items: int, n_parts: int) -> list[int]:
     return [base + 1] * extra + [base] * (n_parts - extra)
 
 
+def chunk_sizes(n: int, chunk: int, ramp: int = 3) -> list[int]:
+    """Chunk lengths for a pipeline over ``n`` elements: ``chunk`` in the middle, and at each
+    end up to ``ramp`` chunks halving in size (..., chunk/4, chunk/2). Nothing crosses the
+    slow link until the first chunk is through the inner dimensions, and the last chunk's
+    allgather runs after the link is done: small end chunks shorten that fill and drain,
+    while full-size chunks in the middle keep the per-operation cost low."""
+    chunk = max(1, chunk)
+    if n <= chunk:
+        return [n]
+    while ramp:
+        ends = [max(1, chunk >> (k + 1)) for k in range(ramp)][::-1]  # chunk/4, chunk/2
+        middle = n - 2 * sum(ends)
+        if middle >= chunk // 2:
+            return ends + even_split(middle, -(-middle // chunk)) + ends[::-1]
+        ramp -= 1
+    return even_split(n, -(-n // chunk))
+
+
 @dataclass(frozen=True)
 class Dim:
     index: int

@@ -42,7 +42,7 @@ from .errors import DDLConfigError, DDLError, DDLPeerError, DDLTimeoutError
 log = logging.getLogger("ddl")
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds a connection may take to prove the secret
-MAX_PENDING = 32  # connections allowed to be in their handshake at once
+MAX_PENDING = 64  # connections allowed to be in their handshake at once
 REFUSE_DELAY = 0.2  # seconds before a wrong proof is hung up on: slows guessing down
 _REPLY_SLACK = 5.0  # how much longer than a blocking wait the client waits for the reply
 _MAX_FRAME = 1 << 30
@@ -53,6 +53,10 @@ _FLAG_SECRET = 1
 _FLAG_GENERATION = 2  # a !I generation follows the hello (a server of ddl.init's)
 _GEN = struct.Struct("!I")
 _NONCE = 32
+# What a wrong proof gets back (after REFUSE_DELAY) instead of the server's proof: a
+# constant that tells nothing, but tells a refused client apart from one whose handshake
+# was cut off (evicted by a flood of strangers), which hears nothing and tries again.
+_NO_PROOF = bytes(_NONCE)
 _CLIENT_LABEL = b"ddl-store-client"
 _SERVER_LABEL = b"ddl-store-server"
 _HEAD = struct.Struct("!BI")
@@ -75,6 +79,10 @@ class _Status(enum.IntEnum):
     OK = 0
     TIMEOUT = 1  # fields: the keys still missing
     ERROR = 2  # field: a message
+
+
+class PortInUse(DDLConfigError):
+    """Rank 0 cannot bind the rendezvous: another process (another job?) holds the port."""
 
 
 class _Closed(Exception):
@@ -165,7 +173,7 @@ def _listen(addr: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise DDLConfigError(
+            raise PortInUse(
                 f"rank 0: ddl's rendezvous cannot listen: port {port} on {addr} is in use "
                 "(another job? set MASTER_PORT or DDL_PORT)"
             ) from None
@@ -178,6 +186,13 @@ def _listen(addr: str, port: int) -> socket.socket:
             f"rank 0: ddl's rendezvous cannot listen on {addr}:{port} ({exc.strerror})"
         ) from None
     return sock
+
+
+def _has_data(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:
+        return False
 
 
 class _Conn:
@@ -312,7 +327,13 @@ class StoreServer:
             when, _, kind, conn = heapq.heappop(self._timers)
             if conn.dead:
                 continue
-            if kind == "refuse" or (kind == "handshake" and conn.state == "proof"):
+            if kind == "refuse":
+                try:
+                    conn.sock.send(_NO_PROOF)  # 32 bytes into an empty buffer: never blocks
+                except OSError:
+                    pass
+                self._drop(conn)
+            elif kind == "handshake" and conn.state == "proof":
                 self._drop(conn)
             elif kind == "wait" and conn.parked is not None and conn.parked.deadline == when:
                 parked = self._unpark(conn)
@@ -351,14 +372,24 @@ class StoreServer:
             self._sel.register(sock, selectors.EVENT_READ, conn)
             if self._secret:
                 if len(self._pending) >= self._max_pending:
-                    # Evict the oldest instead of refusing the newcomer: a flood of silent
-                    # connections then cannot lock a rank out, whose own handshake takes
-                    # one round trip (and which retries if it was the one evicted).
-                    self._drop(next(iter(self._pending)))
+                    # Evict instead of refusing the newcomer: a flood of silent connections
+                    # then cannot lock a rank out, whose own handshake takes one round trip
+                    # (and which tries again if it was the one cut off: its deadline, not
+                    # the flood, decides).
+                    self._drop(self._evictable())
                 self._pending[conn] = None
                 self._timer(time.monotonic() + self._handshake_timeout, "handshake", conn)
             flags = (_FLAG_SECRET if self._secret else 0) | (_FLAG_GENERATION if self._gen else 0)
             self._send(conn, _HELLO.pack(_MAGIC, flags, nonce) + self._gen)
+
+    def _evictable(self) -> _Conn:
+        """The oldest connection in its handshake that has sent nothing: one whose proof
+        is already here is answered in this round of events, so a rank that answered in
+        time is never the one cut off."""
+        for conn in self._pending:
+            if not conn.rbuf and not _has_data(conn.sock):
+                return conn
+        return next(iter(self._pending))
 
     def _drop(self, conn: _Conn) -> None:
         if conn.dead:
@@ -572,7 +603,7 @@ class StoreClient:
     def _open(self, deadline: float, what: str) -> socket.socket:
         """A connection that passed the handshake; retries until ``deadline`` while rank 0's
         server is not up yet (or evicted us under a flood of strangers)."""
-        delay, refusals, last = 0.01, 0, "no attempt"
+        delay, cut, last = 0.01, 0, "no attempt"
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -611,16 +642,13 @@ class StoreClient:
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)
                 continue
-            except _Refused:
+            except _CutOff:
                 sock.close()
-                refusals += 1
-                if refusals >= 3:  # once could be eviction; three times is the secret
-                    raise DDLConfigError(
-                        f"rank {self.rank}: ddl's rendezvous at {self._where} refused this "
-                        "rank's secret: the secrets differ (DDL_JOB_SECRET or "
-                        "DDL_JOB_SECRET_FILE must be the same on every rank)"
-                    ) from None
-                last = "hung up during the handshake"
+                cut += 1
+                last = (f"the rendezvous cut this rank's handshake off {cut} time(s) before "
+                        "answering: is another process flooding the port with connections?")
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
                 continue
             except (OSError, _Closed) as exc:
                 sock.close()
@@ -677,7 +705,12 @@ class StoreClient:
         try:
             theirs = _recv_exact(sock, _NONCE, deadline)
         except (_Closed, ConnectionResetError):
-            raise _Refused() from None
+            raise _CutOff() from None
+        if theirs == _NO_PROOF:
+            raise DDLConfigError(
+                f"rank {self.rank}: ddl's rendezvous at {self._where} refused this rank's "
+                "secret: the secrets differ (DDL_JOB_SECRET or DDL_JOB_SECRET_FILE must be "
+                "the same on every rank)")
         if not hmac.compare_digest(theirs, _proof(self._secret, _SERVER_LABEL, mine + gen)):
             raise DDLConfigError(
                 f"rank {self.rank}: the process at {self._where} does not know the job's "
@@ -803,8 +836,9 @@ class StoreClient:
             sock.close()
 
 
-class _Refused(Exception):
-    """The server hung up after our proof."""
+class _CutOff(Exception):
+    """The server hung up after our proof without answering it: our handshake was evicted
+    (a refusal says so, ``_NO_PROOF``)."""
 
 
 class _OtherGeneration(Exception):

@@ -73,6 +73,20 @@ def flatten(x: Any, *, name: str = "tensor") -> Flat:
     )
 
 
+def writable(flat: Flat, what: str, name: str = "tensor") -> Flat:
+    """``flat`` when a collective may write its result there. A read-only numpy array
+    (``writeable=False``: ``np.frombuffer`` of bytes, a broadcast view) is refused while the
+    call is planned, before any data moves: the write would fail only after the peers'
+    data arrived, leaving the engine out of step."""
+    if flat.kind == "numpy" and not flat.original.flags.writeable:
+        raise DDLConfigError(
+            f"{what}: {name} is a read-only numpy array (writeable=False), so the result "
+            f"cannot be written there: pass a writable array (np.array(x) copies it)"
+            + ("" if name == "out" else " or call the out-of-place variant")
+        )
+    return flat
+
+
 def dtype_of(t) -> DType:
     """The ddl dtype of a torch tensor."""
     return _torch_dtype(t)

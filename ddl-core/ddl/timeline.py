@@ -201,19 +201,31 @@ def flush() -> None:
             _log.warning("ddl: could not write the timeline %s: %s", rec.path, exc)
 
 
+_job_rank: int | None = None  # this process's rank while ddl is initialized
+
+
 def start_from_env(rank: int, path: str | None) -> None:
-    """``DDL_TIMELINE`` (read by ``ddl.init()``)."""
+    """``ddl.init()`` joined the job as ``rank``: remembered for ``start_timeline``, and
+    ``DDL_TIMELINE`` (``path``) starts recording now."""
+    global _job_rank
+    _job_rank = rank
     if path:
         start(path, rank)
 
 
+def left_job() -> None:
+    """``ddl.shutdown()``: write what was recorded; ``start_timeline`` needs a new init."""
+    global _job_rank
+    _job_rank = None
+    flush()
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Horovod's ``hvd.start_timeline`` for every framework adapter (after ``init()``)."""
-    from . import api
-
-    if not api.is_initialized():
+    rank = _job_rank
+    if rank is None:
         raise DDLError("start_timeline: ddl is not initialized: call hvd.init() first")
-    start(file_path, api.rank(), mark_cycles)
+    start(file_path, rank, mark_cycles)
 
 
 def stop_timeline() -> None:

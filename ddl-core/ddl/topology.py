@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ def _slurm_vars(env: Mapping[str, str]) -> dict[str, str]:
            "GROUP_RANK": config.get("SLURM_NODEID", env)}
     counts = config.get("SLURM_STEP_TASKS_PER_NODE", env)
     node = out["GROUP_RANK"]
-    if counts and node is not None and node.isdigit() and int(node) < len(counts):
+    if counts and node is not None and re.fullmatch("[0-9]+", node) and int(node) < len(counts):
         out["LOCAL_WORLD_SIZE"] = str(counts[int(node)])
     return {k: v for k, v in out.items() if v}
 

@@ -11,15 +11,27 @@ every exit, and tears the ranks down (SIGTERM, deadline, SIGKILL) when
 - one of its ranks fails (fail fast: the launcher stops the other hosts).
 
 Before that teardown it reports which of its ranks are stopped (``stuck``), since the
-teardown continues them. Then it removes the job's shared memory on this host
+teardown continues them. The teardown also ends, by pid, what the ranks left running in
+sessions of their own (the agent is their child subreaper: reaper.py), even after ranks
+that all exited 0. Then it removes the job's shared memory on this host
 (``cleanup_job(job, host_index)``) and sends ``{"t": "done"}``. At start it removes
 shared memory that crashed jobs of this user left on the host (``swept``).
 
+Each rank gets a ``DDL_ERROR_FILE`` in a private folder of the job on this host (0700,
+removed at the end): the failure record it writes there when an exception ends it travels
+back with its exit (failures.py).
+
 Messages to the launcher: ``started {pids}``, ``swept {n, bytes}``, ``line {r, s, d}``,
-``exit {r, c, p, w}`` (``w``: the wall-clock time of the exit, so the launcher can order
-exits of all hosts by when they happened), ``eof {r}`` (all of rank r's output was sent),
-``stuck {s: {rank: [pid, state]}}`` (on request ``{"t": "stuck"}`` and before teardown),
-``done {removed}``. ``--probe`` prints host facts for preflight instead.
+``exit {r, c, p, w, e}`` (``w``: the wall-clock time of the exit, so the launcher can order
+exits of all hosts by when they happened; ``e``: the rank's failure record, when it failed
+and wrote one), ``eof {r}`` (all of rank r's output was sent),
+``stuck {s: {rank: [pid, state, starting]}}`` (on request ``{"t": "stuck"}`` and before
+teardown; ``starting``: stopped before its program was exec'd), ``error {m}`` (a rank's
+program could not be exec'd: the agent stops and exits 127), ``done {removed}``.
+``--probe`` prints host facts for preflight instead.
+
+Nothing waits on a rank's start: ``started`` comes as soon as every rank is forked, and the
+agent answers ``stuck`` and ``stop`` from then on, even for a rank stopped before its exec.
 """
 
 from __future__ import annotations
@@ -34,8 +46,11 @@ import threading
 import time
 from typing import BinaryIO
 
+from . import envs
+from .failures import RecordFolder, read_record
 from .procs import Exit, ProcessSet, ProcSpec
-from .shm import cleanup, sweep_orphans
+from .reaper import become_subreaper
+from .shm import cleanup, job_secret, sweep_orphans
 
 
 class _Writer:
@@ -58,16 +73,28 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     stop = threading.Event()
     exits: dict[int, int] = {}
     failed = threading.Event()
+    start_error: list[str] = []  # the first rank program that could not be exec'd
     ranks = spec["ranks"]
     grace = float(spec.get("grace", 5.0))
+    records = RecordFolder(str(spec["job_id"]))
 
     def on_line(rank: int, stream: str, text: str) -> None:
         writer.send(t="line", r=rank, s=stream, d=text)
 
     def on_exit(ex: Exit) -> None:
+        if ex.error is not None:  # its program could not be exec'd: nothing of it ran
+            if not start_error:
+                start_error.append(f"cannot start {ex.error.filename!r}: {ex.error.strerror}")
+                writer.send(t="error", m=start_error[0])
+            stop.set()
+            return
         exits[ex.key] = ex.code
         wall = time.time() - (time.monotonic() - ex.time)
-        writer.send(t="exit", r=ex.key, c=ex.code, p=ex.pid, w=wall)
+        record = read_record(env_of[ex.key][envs.DDL_ERROR_FILE]) if ex.code != 0 else None
+        if record is None:
+            writer.send(t="exit", r=ex.key, c=ex.code, p=ex.pid, w=wall)
+        else:
+            writer.send(t="exit", r=ex.key, c=ex.code, p=ex.pid, w=wall, e=record.to_json())
         if ex.code != 0:
             failed.set()
         if len(exits) == len(ranks) or ex.code != 0:
@@ -104,15 +131,20 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     swept = sweep_orphans()
     if swept:
         writer.send(t="swept", n=len(swept), bytes=sum(size for _, size in swept))
+    # the rank's env from the spec (-x) may name its own record file
+    env_of = {r["rank"]: {**base, envs.DDL_ERROR_FILE: records.path(r["rank"]), **r["env"]}
+              for r in ranks}
+    secret = job_secret(ranks[0]["env"]) if ranks else None
     procs = ProcessSet(on_line, on_exit, on_eof=on_eof)
     try:
         procs.start(
-            ProcSpec(r["rank"], tuple(r["argv"]), {**base, **r["env"]}, cwd) for r in ranks
+            ProcSpec(r["rank"], tuple(r["argv"]), env_of[r["rank"]], cwd) for r in ranks
         )
     except OSError as exc:
         writer.send(t="error", m=f"cannot start {ranks[0]['argv'][0]!r}: {exc.strerror}")
         procs.close(timeout=grace)
-        cleanup(spec["job_id"], spec["host_index"])
+        records.remove()
+        cleanup(spec["job_id"], spec["host_index"], secret)
         writer.send(t="done", removed=0)
         return 127
     writer.send(t="started", pids={str(k): p.pid for k, p in procs.procs.items()})
@@ -123,9 +155,10 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     finally:
         send_stuck()
         procs.close(signal.SIGTERM, grace)
-        removed = cleanup(spec["job_id"], spec["host_index"])
+        records.remove()
+        removed = cleanup(spec["job_id"], spec["host_index"], secret)
         writer.send(t="done", removed=len(removed))
-    return 1 if failed.is_set() else 0
+    return 127 if start_error else 1 if failed.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(probe(args.port, args.iface, args.python)), flush=True)
         return 0
+    become_subreaper()  # before any fork: the ranks' orphans come to us (reaper.py)
     # Unbuffered: the thread that waits on stdin must hold no buffer lock, or interpreter
     # shutdown aborts the agent ("could not acquire lock for <stdin>"); messages are small.
     stdin = io.FileIO(sys.stdin.fileno(), "rb", closefd=False)

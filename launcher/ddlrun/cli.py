@@ -21,7 +21,9 @@ sweep of orphaned shared memory at start.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -33,19 +35,34 @@ from .backends.mpirun import parse_mpiargs
 from .errors import LaunchError, PreflightError, UsageError
 from .hosts import (
     HostSpec,
+    check_slots,
     detect_allocation,
+    digits,
     is_local,
     lsf_hosts,
     parse_host_list,
     parse_hostfile,
     parse_selection,
+    read_text_lines,
     slurm_hosts,
 )
 from .output import OutputSink, silence
 from .plan import Request, parse_rankfile, validate_env_name
-from .steps import FALLBACK_PORT, act, job_inputs, plan_job, preflight, run_cleanup
+from .reaper import become_subreaper
+from .run import Interrupted, signals_raise
+from .steps import (
+    FALLBACK_PORT,
+    act,
+    check_ddl_env,
+    check_staging,
+    job_inputs,
+    plan_job,
+    preflight,
+    run_cleanup,
+)
 
 LAUNCHERS = ("auto", "local", "ssh", "mpirun", "slurm", "lsf")
+IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")  # a Linux interface name (IFNAMSIZ - 1)
 
 
 class _Reject(argparse.Action):
@@ -224,14 +241,6 @@ class Config:
     per_node: bool = False  # one ddlrun per node (--nnodes/--node-rank, torchrun-style)
 
 
-def _read(path: str, what: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
-    except OSError as exc:
-        raise UsageError(f"{what} {path}: {exc.strerror}") from None
-
-
 def _positive(value, name: str) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{name} must be at least 1, got {value}")
@@ -263,7 +272,7 @@ def parse_endpoint(text: str) -> tuple[str, int | None]:
             port = rest[1:]
     elif text.count(":") == 1:
         host, port = text.split(":")
-    if port is not None and not port.isdigit():
+    if port is not None and not digits(port):
         raise UsageError(f"--rdzv-endpoint {text!r}: the port must be a number")
     return host.strip("[]"), int(port) if port is not None else None
 
@@ -297,6 +306,10 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
                         (args.racks, "--racks"), (args.aisles, "--aisles"),
                         (args.nnodes, "--nnodes")):
         _positive(value, name)
+    if args.accelerators is not None:
+        check_slots(args.accelerators, "--accelerators")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise UsageError(f"--master-port {args.master_port} is out of range 1-65535")
     if args.hosts and args.hostfile:
         raise UsageError("give -H or --hostfile, not both")
     if args.include and args.exclude:
@@ -342,14 +355,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
                                  f"{accelerators}")
             if nproc % nnodes:
                 raise UsageError(f"-n {nproc} does not split evenly over --nnodes {nnodes}")
-            accelerators, nproc = nproc // nnodes, None
+            accelerators, nproc = check_slots(nproc // nnodes, "-n / --nnodes"), None
         hosts = (HostSpec("localhost"),)
         launcher = "local"
         master_port = master_port or FALLBACK_PORT  # every node must agree: no free pick
     elif args.hosts:
         hosts = parse_host_list(args.hosts)
     elif args.hostfile:
-        hosts = parse_hostfile(_read(args.hostfile, "--hostfile"), args.hostfile)
+        hosts = parse_hostfile(read_text_lines(args.hostfile, "--hostfile"), args.hostfile)
     else:
         allocation = (detect_allocation(environ)
                       if launcher in ("auto", "slurm", "lsf") and not gloo else None)
@@ -358,7 +371,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         elif allocation == "lsf":
             hosts = lsf_hosts(environ)
         else:
-            hosts = (HostSpec("localhost", args.nproc),)
+            slots = None if args.nproc is None else check_slots(args.nproc, "-n (this host)")
+            hosts = (HostSpec("localhost", slots),)
     if args.nnodes and not per_node:
         if len(hosts) < args.nnodes:
             raise UsageError(f"--nnodes {args.nnodes}: only {len(hosts)} host(s) given")
@@ -368,7 +382,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     hosts = select_hosts(hosts, include, exclude)
     rankfile: tuple = ()
     if args.rankfile:
-        rankfile = parse_rankfile(_read(args.rankfile, "--rankfile"), args.rankfile)
+        rankfile = parse_rankfile(read_text_lines(args.rankfile, "--rankfile"),
+                                  args.rankfile)
     env = []
     for item in args.env:
         key, eq, val = item.partition("=")
@@ -388,14 +403,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
                                else args.remote_python)
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         raise UsageError(f"--ssh-port {args.ssh_port} is out of range 1-65535")
-    if args.network_interface and not args.network_interface.replace("_", "").replace(
-        "-", ""
-    ).replace(".", "").isalnum():
+    if args.network_interface and not IFACE.fullmatch(args.network_interface):
         raise UsageError(f"--network-interface {args.network_interface!r} is not an interface "
                          "name")
     for t, name in ((args.timeout, "--timeout"), (args.start_timeout, "--start-timeout")):
-        if t is not None and t <= 0:
-            raise UsageError(f"{name} must be positive, got {t:g}")
+        if t is not None and not (math.isfinite(t) and t > 0):  # nan would disable it
+            raise UsageError(f"{name} must be a positive number of seconds, got {t:g}")
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise UsageError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     request = Request(
         program=tuple(program),
         hosts=hosts,
@@ -451,6 +466,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
 
 # ---------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
+    become_subreaper()  # before any fork: the ranks' orphans come to us (reaper.py)
     parser = build_parser()
     try:
         try:
@@ -488,14 +504,17 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
             parser.print_usage(sys.stderr)
             raise UsageError("no program given: ddlrun [options] program [args...]")
         warn_unset(cfg, os.environ, sink)
+        check_ddl_env(cfg, os.environ)
         backend = get_backend(cfg.launcher, cfg.options)
-        facts = preflight(cfg, backend, sink, os.environ)
+        with signals_raise():  # Ctrl-C while hosts are probed: no traceback, no ssh left
+            facts = preflight(cfg, backend, sink, os.environ)
         if cfg.check:
             return 0
         inputs = job_inputs(cfg, facts, os.environ)
         for note in inputs.notes:
             sink.note(note)
         plan = plan_job(cfg, facts, inputs, os.environ)
+        check_staging(cfg, plan, os.environ)
         backend.validate(plan)
         return act(cfg, plan, backend, sink)
     except PreflightError as exc:
@@ -507,3 +526,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
     except LaunchError as exc:
         sink.note(f"error: {exc}")
         return exc.exit_code
+    except Interrupted as exc:
+        sink.note(f"{exc}: stopped during the preflight; no rank was started")
+        return 128 + exc.signum

@@ -128,6 +128,16 @@ LSB_JOBID = _v("LSB_JOBID", "read", "inside an LSF allocation (--launcher auto)"
 LSB_DJOB_HOSTFILE = _v("LSB_DJOB_HOSTFILE", "read", "LSF's file of the allocation's hosts")
 LSB_MCPU_HOSTS = _v("LSB_MCPU_HOSTS", "read", "LSF's 'host n host n ...' (without the file)")
 
+# --------------------------------------------------------------- failure records
+DDL_ERROR_FILE = _v("DDL_ERROR_FILE", "rank",
+                    "where the rank writes its failure record when an uncaught exception ends "
+                    "it (a file in a private 0700 folder of the job on the rank's host, "
+                    "removed at the end); ddlrun blames the root cause from the records "
+                    "(failures.py)")
+DDLRUN_ERROR_DIR = _v("DDLRUN_ERROR_DIR", "layout",
+                      "under mpirun/srun: the folder ddlrun.rankenv puts each rank's "
+                      "DDL_ERROR_FILE in, where it exists on the rank's host")
+
 # groups the code uses
 RANK_FROM_MANAGER = (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK)
 SECRET_SOURCES = (DDL_JOB_SECRET, DDL_JOB_SECRET_FILE)  # either: the user has a secret

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .failures import FailureRecord
+
 
 @dataclass(frozen=True)
 class RankExit:
@@ -13,6 +15,7 @@ class RankExit:
     code: int  # negative: killed by that signal
     pid: int
     time: float  # when the rank exited (launcher's monotonic clock), not when we heard of it
+    record: FailureRecord | None = None  # its failure record, when it wrote one (failures.py)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,18 @@ class Stuck:
     host_index: int
     pid: int
     state: str
+    starting: bool = False  # stopped before its program was exec'd (still ddlrun's wrapper)
 
 
-Event = RankExit | HostLost | JobExit
+@dataclass(frozen=True)
+class StartFailed:
+    """A program could not be exec'd at all (not found, not executable): what ``Popen``
+    would have raised, reported by the rank's (or the launcher's) exit."""
+
+    program: str
+    reason: str  # the OS's words (strerror)
+    time: float
+
+
+Event = RankExit | HostLost | JobExit | StartFailed
 Emit = Callable[[Event], None]

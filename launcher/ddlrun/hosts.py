@@ -3,7 +3,10 @@
 Every host name and user name is validated here, once, before it can reach a command
 line: only ``[A-Za-z0-9_.-]`` (plus ``:`` inside ``[...]`` for IPv6 literals), and never a
 leading ``-`` (which ssh or mpirun would read as an option, e.g. ``-oProxyCommand=...``).
-Hostfile parsing takes lines, not paths, so errors carry ``file:line``.
+Hostfile parsing takes lines, not paths, so errors carry ``file:line``. Every pattern is
+matched whole (``fullmatch``: a ``$`` would let a trailing newline through) and counts are
+ASCII digits (``str.isdigit`` also takes ``²``, which ``int`` refuses), at most
+``MAX_SLOTS`` ranks per host and ``MAX_HOSTS`` hosts.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from dataclasses import dataclass
 from . import envs
 from .errors import UsageError
 
-_HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\])$")
-_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]")
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+MAX_SLOTS = 4096  # ranks on one host (ddl's LOCAL_WORLD_SIZE allows as many)
+MAX_HOSTS = 1 << 16  # hosts a node list or a task count may expand to
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
@@ -36,7 +41,7 @@ class HostSpec:
 
 
 def validate_hostname(name: str, where: str = "host") -> str:
-    if not _HOST.match(name):
+    if not _HOST.fullmatch(name):
         raise UsageError(
             f"{where}: invalid host name {name!r}: use letters, digits, '.', '-', '_' "
             "(no spaces or shell characters, must not start with '-')"
@@ -45,7 +50,7 @@ def validate_hostname(name: str, where: str = "host") -> str:
 
 
 def validate_user(user: str, where: str = "host") -> str:
-    if not _USER.match(user):
+    if not _USER.fullmatch(user):
         raise UsageError(
             f"{where}: invalid user name {user!r}: use letters, digits, '.', '-', '_' "
             "and start with a letter or '_'"
@@ -53,10 +58,22 @@ def validate_user(user: str, where: str = "host") -> str:
     return user
 
 
+def digits(text: str) -> bool:
+    """Whether ``text`` is a whole number in ASCII digits."""
+    return re.fullmatch("[0-9]+", text) is not None
+
+
+def check_slots(count: int, where: str) -> int:
+    """A host's rank count: 1..MAX_SLOTS."""
+    if not 1 <= count <= MAX_SLOTS:
+        raise UsageError(f"{where}: slots must be 1..{MAX_SLOTS} per host, got {count}")
+    return count
+
+
 def _slots(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not digits(text):
         raise UsageError(f"{where}: slots must be a positive integer, got {text!r}")
-    return int(text)
+    return check_slots(int(text), where)
 
 
 def parse_host_token(token: str, where: str = "-H") -> HostSpec:
@@ -167,14 +184,14 @@ def _split_top(text: str, where: str) -> list[str]:
 
 
 def _expand_item(item: str) -> list[str]:
-    m = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", item)
+    m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item, re.DOTALL)
     if not m:
         return [item]
     prefix, ranges, rest = m.groups()
-    names = []
+    names: list[str] = []
     for part in ranges.split(","):
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
+        if not digits(lo) or (dash and not digits(hi)):
             raise UsageError(f"SLURM_JOB_NODELIST: bad range {part!r} in {item!r}")
         if not dash:
             names.append(prefix + lo)
@@ -182,18 +199,33 @@ def _expand_item(item: str) -> list[str]:
         width = len(lo)
         if int(hi) < int(lo):
             raise UsageError(f"SLURM_JOB_NODELIST: descending range {part!r}")
+        _at_most_hosts(len(names) + int(hi) - int(lo) + 1, item)
         names.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
-    return [n + tail for n in names for tail in _expand_item(rest)] if rest else names
+    if not rest:
+        return names
+    tails = _expand_item(rest)
+    _at_most_hosts(len(names) * len(tails), item)
+    return [n + tail for n in names for tail in tails]
+
+
+def _at_most_hosts(count: int, item: str) -> None:
+    if count > MAX_HOSTS:
+        raise UsageError(f"SLURM_JOB_NODELIST: {item!r} expands to {count} hosts, more than "
+                         f"{MAX_HOSTS}")
 
 
 def expand_tasks_per_node(text: str) -> list[int]:
     """``SLURM_TASKS_PER_NODE``: ``2(x3),1`` -> [2, 2, 2, 1]."""
     out: list[int] = []
     for part in text.split(","):
-        m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part.strip())
+        m = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", part.strip())
         if not m:
             raise UsageError(f"SLURM_TASKS_PER_NODE: cannot parse {part!r}")
-        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+        times = int(m.group(2) or 1)
+        if len(out) + times > MAX_HOSTS:
+            raise UsageError(f"SLURM_TASKS_PER_NODE: {text!r} counts more than {MAX_HOSTS} "
+                             "hosts")
+        out.extend([int(m.group(1))] * times)
     return out
 
 
@@ -204,7 +236,8 @@ def slurm_hosts(env: Mapping[str, str]) -> tuple[HostSpec, ...]:
     if tasks:
         counts = expand_tasks_per_node(tasks)
         if len(counts) == len(names):
-            return tuple(HostSpec(n, c) for n, c in zip(names, counts, strict=True))
+            return tuple(HostSpec(n, check_slots(c, envs.SLURM_TASKS_PER_NODE))
+                         for n, c in zip(names, counts, strict=True))
     return tuple(HostSpec(n) for n in names)
 
 
@@ -240,17 +273,27 @@ def lsf_hosts(env: Mapping[str, str], read_lines=None) -> tuple[HostSpec, ...]:
     LSF lists the launch host first; it runs ranks like any other host."""
     path = env.get(envs.LSB_DJOB_HOSTFILE)
     if path:
-        reader = read_lines or _read_lines
+        reader = read_lines or read_text_lines
         return parse_lsb_hostfile(reader(path), path)
     return parse_lsb_mcpu_hosts(env.get(envs.LSB_MCPU_HOSTS, ""))
 
 
-def _read_lines(path: str) -> list[str]:
+def read_text_lines(path: str, what: str = "") -> list[str]:
+    """A file's lines, decoded as UTF-8; UsageError naming ``what path:line`` and the byte
+    when it cannot be read or is not UTF-8 (a Latin-1 host name)."""
+    where = f"{what} {path}" if what else path
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+        raise UsageError(f"cannot read {where}: {exc.strerror}") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UsageError(f"{where}:{line}: byte {data[exc.start:exc.start + 1]!r} is not "
+                         "UTF-8 text (host names are ASCII: letters, digits, '.', '-', "
+                         "'_')") from None
 
 
 def detect_allocation(env: Mapping[str, str]) -> str | None:
@@ -286,7 +329,7 @@ def parse_selection(text: str, where: str = "--include") -> tuple[
             out.append((name, None))
             continue
         got = tuple(i.strip() for i in ids.split(","))
-        if not got or not all(i.isdigit() for i in got):
+        if not got or not all(digits(i) for i in got):
             raise UsageError(f"{where}: {part!r}: GPU ids must be integers, e.g. "
                              f"{name}:0,1")
         out.append((name, tuple(dict.fromkeys(got))))

@@ -12,7 +12,9 @@ same, so the program is the child ddlrun sees. Cost: one interpreter start per r
   send the signal: the wrapper kills itself instead.
 - ``STATUS``: a pipe's write end. When the exec fails, ``errno`` goes there and the
   wrapper exits 127; on success the exec closes it (close-on-exec), so the supervisor can
-  raise the same ``OSError`` as ``subprocess.Popen`` would have for a missing program.
+  report the same ``OSError`` as ``subprocess.Popen`` would have for a missing program
+  (with the child's exit: it never blocks on this pipe, as a wrapper stopped before its
+  exec would never close it).
 - ``LC_CTYPE``: ``=`` and its value in the program's environment, empty when unset. Python coerces
   the C locale by setting ``LC_CTYPE`` in its own environment (PEP 538); the program gets
   the variable as it was given. Signal dispositions Python changes at start (SIGPIPE and

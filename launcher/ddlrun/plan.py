@@ -25,7 +25,7 @@ from .hosts import HostSpec, is_local
 from .shm import job_id_rule
 
 MASK = "<secret>"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ def parse_rankfile(lines: Sequence[str], source: str = "rankfile") -> tuple[tupl
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.match(r"^rank\s+(\d+)\s*=\s*(\S+)(?:\s+slot=\S+)?$", line)
+        m = re.fullmatch(r"rank\s+([0-9]+)\s*=\s*(\S+)(?:\s+slot=\S+)?", line)
         if not m:
             raise UsageError(f"{source}:{lineno}: expected 'rank N=host slot=S', got {line!r}")
         out.append((int(m.group(1)), validate_hostname(m.group(2), f"{source}:{lineno}")))
@@ -370,13 +370,13 @@ def _check_mode(spec: str, given: str, world: int | None) -> None:
 
 # ---------------------------------------------------------------------------- env
 def validate_env_name(name: str) -> str:
-    if not _ENV_NAME.match(name):
+    if not _ENV_NAME.fullmatch(name):
         raise UsageError(f"-x {name!r}: not a valid environment variable name")
     return name
 
 
 def validate_job_id(job_id: str) -> str:
-    if not job_id_rule().match(job_id):
+    if not job_id_rule().fullmatch(job_id):
         raise UsageError(f"job id {job_id!r} is invalid: 1-64 characters of [A-Za-z0-9_.]")
     return job_id
 

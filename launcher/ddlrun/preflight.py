@@ -4,7 +4,8 @@ store port, ``DDL_PORT`` or MASTER_PORT+1)?
 
 ``probe()`` runs on a host (in-process for local jobs, ``python -m ddlrun.agent --probe``
 over ssh for remote ones) and returns facts as JSON. ``check()`` is pure: facts in,
-problems (one clear line each) and a table out.
+problems (one clear line each) and a table out. The commands a preflight runs go through
+one ``ProbeRuns``, so an interrupted preflight (Ctrl-C) kills those still running.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import os
 import platform
 import random
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -60,7 +63,12 @@ def interface_address(name: str) -> str | None:
 
 
 def port_free(port: int, addr: str = "") -> bool:
+    """Whether a listener can bind ``port`` now, the way ddl's store (and torch's TCPStore)
+    will: with SO_REUSEADDR, so a port whose last job's connections linger in TIME_WAIT (a
+    minute after a rerun with the same --master-port) is free, one a process listens on
+    is not."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
             return True
@@ -93,6 +101,54 @@ def pick_free_pair(avoid: Sequence[int] = (), attempts: int = 500) -> int:
                   f"after {attempts} tries")
 
 
+class ProbeRuns:
+    """``subprocess.run`` for a preflight's commands (the ``run`` seam of ``probe_remote``,
+    ``python_problem`` and ``count_gpus``) that remembers each running child: ``kill()``
+    ends them all, so an interrupted preflight leaves no ssh session behind, and any run
+    after it fails at once. Each child has its own session; ``kill()`` signals its process
+    group (ssh's ProxyCommand too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self._killed = False
+
+    def run(self, argv: Sequence[str], *, capture_output: bool = False, text: bool = False,
+            timeout: float | None = None, stdin=subprocess.DEVNULL
+            ) -> subprocess.CompletedProcess:
+        pipe = subprocess.PIPE if capture_output else None
+        with self._lock:
+            if self._killed:
+                raise OSError(f"{argv[0]}: the preflight was stopped")
+            proc = subprocess.Popen(list(argv), stdout=pipe, stderr=pipe, stdin=stdin,
+                                    text=text, start_new_session=True)
+            self._running.add(proc)
+        try:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._kill(proc)
+                proc.communicate()
+                raise
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+        return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+    def kill(self) -> None:
+        with self._lock:
+            self._killed = True
+            running = list(self._running)
+        for proc in running:
+            self._kill(proc)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        if proc.returncode is None:  # not reaped: its pid is still its own group's id
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def python_problem(python: str, run=subprocess.run) -> str | None:
     """One line when ``python`` (the program's interpreter) cannot import ddl here."""
     exe = shutil.which(python) or python
@@ -110,9 +166,9 @@ def python_problem(python: str, run=subprocess.run) -> str | None:
 
 
 def probe(ports: Sequence[int] = (), iface: str | None = None,
-          python: str | None = None) -> dict:
+          python: str | None = None, run=subprocess.run) -> dict:
     """Facts about this host, as a JSON-able dict; with ``python``, whether that interpreter
-    (the program's) can import ddl here."""
+    (the program's) can import ddl here. ``run`` runs the commands (``ProbeRuns.run``)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -120,7 +176,7 @@ def probe(ports: Sequence[int] = (), iface: str | None = None,
     facts = {
         "hostname": socket.gethostname(),
         "cores": cores,
-        "gpus": count_gpus(),
+        "gpus": count_gpus(run),
         "versions": {
             "powerddl": _dist_version("powerddl"),
             "python": platform.python_version(),
@@ -131,7 +187,7 @@ def probe(ports: Sequence[int] = (), iface: str | None = None,
     }
     facts["ports"] = {str(p): port_free(p) for p in ports}
     if python:
-        facts["python_problem"] = python_problem(python)
+        facts["python_problem"] = python_problem(python, run)
     # None: no free pair here; choosing the port then says so (steps.choose_port)
     facts["free_port"] = None
     with contextlib.suppress(OSError):
@@ -183,10 +239,21 @@ def probe_remote(
 
 
 def probe_all(
-    hosts: Sequence[str], probe_one: Callable[[str], ProbeResult], parallel: int = 32
+    hosts: Sequence[str], probe_one: Callable[[str], ProbeResult], parallel: int = 32,
+    stop: Callable[[], None] | None = None,
 ) -> list[ProbeResult]:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(parallel, len(hosts) or 1)) as ex:
+    """``probe_one`` of every host, ``parallel`` at a time. When the wait is interrupted
+    (a signal raised in the main thread), ``stop()`` ends the probes still running
+    (``ProbeRuns.kill``) before the threads are joined and the exception goes on."""
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=min(parallel, len(hosts) or 1))
+    try:
         return list(ex.map(probe_one, hosts))
+    except BaseException:
+        if stop is not None:
+            stop()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def version_table(results: Sequence[ProbeResult]) -> str:

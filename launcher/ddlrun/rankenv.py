@@ -6,7 +6,8 @@ host ``mode:ids``, hosts joined by ';': see ``plan.HostGpus``), sets RANK, LOCAL
 LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, ROLE_RANK, horovodrun's HOROVOD_RANK,
 HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK/SIZE, OMP_NUM_THREADS, only with
 --include/--exclude GPU lists or --bind-gpus CUDA_VISIBLE_DEVICES (as ddlrun.plan does), and
-OMPI_MCA_mpi_yield_when_idle=1 when the host has more ranks than cores, and execs the
+OMPI_MCA_mpi_yield_when_idle=1 when the host has more ranks than cores, DDL_ERROR_FILE in
+DDLRUN_ERROR_DIR where that folder exists on this host (failures.py), and execs the
 program.
 """
 
@@ -17,13 +18,15 @@ import sys
 from collections.abc import Mapping
 
 from . import envs
+from .failures import record_path
+from .hosts import digits
 from .plan import HostFacts, HostGpus, cross_of, rank_env
 
 RANK_VARS = envs.RANK_FROM_MANAGER
 
 
 def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
-    rank = next((int(env[v]) for v in RANK_VARS if env.get(v, "").isdigit()), None)
+    rank = next((int(env[v]) for v in RANK_VARS if digits(env.get(v, ""))), None)
     if rank is None:
         raise SystemExit("ddlrun.rankenv: no rank variable set (" + ", ".join(RANK_VARS) + ")")
     layout = [int(x) for x in env[envs.DDLRUN_RANK_HOSTS].split(",")]
@@ -38,6 +41,9 @@ def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
                    cross_of(sizes, host, local_rank))
     if local_size > cores and envs.OMPI_MCA_MPI_YIELD_WHEN_IDLE not in env:
         out[envs.OMPI_MCA_MPI_YIELD_WHEN_IDLE] = "1"
+    folder = env.get(envs.DDLRUN_ERROR_DIR, "")
+    if folder and os.path.isdir(folder):  # on ddlrun's host (or a shared filesystem)
+        out[envs.DDL_ERROR_FILE] = record_path(folder, rank)
     return out
 
 

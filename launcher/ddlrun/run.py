@@ -1,31 +1,38 @@
 """Act: start the backend, wait for the first failure (or the end, the timeout, a signal),
 tear everything down, report, and return ddlrun's exit code.
 
-The first failure is the earliest by the time it happened, not the first one heard of:
-after hearing of one, the supervisor listens ``Backend.settle`` seconds more. Before the
-teardown it asks which running ranks are stopped (``Backend.stuck``): such a rank is named
-first, since its peers only failed waiting for it. The survivors' follow-on errors are
-named, not repeated. (``fail_fast=False`` is for ``ddl.perf.spawn``'s test jobs only: no
-teardown until every rank has ended; ddlrun itself always fails fast.)
+The failure blamed is the earliest root cause, not the first exit and not the first one
+heard of (failures.py): each failed rank's record says why it failed and whether a peer's
+failure caused it; root causes (and ranks that failed without a record: killed, lost) come
+before such consequences, and among equals the earliest by the record's time, then the
+exit's. After hearing of a failure the supervisor listens ``Backend.settle`` seconds more,
+and while every failure heard of is a consequence, up to ``CAUSE_WAIT`` more for the rank
+that caused them (its interpreter may still be dying). Before the teardown it asks which
+running ranks are stopped (``Backend.stuck``): such a rank is named first, since its peers
+only failed waiting for it. The others' follow-on errors are named, not repeated.
+(``fail_fast=False`` is for ``ddl.perf.spawn``'s test jobs only: no teardown until every
+rank has ended; ddlrun itself always fails fast.)
 
-Exit codes: the failing rank's code (128+N when killed by signal N); 124 when --timeout
+Exit codes: the blamed rank's code (128+N when killed by signal N); 124 when --timeout
 ran out; 130/143 on SIGINT/SIGTERM; 2 usage errors; 3 preflight failures.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from . import failures as blame
 from .backends import Backend
-from .events import Event, HostLost, JobExit, RankExit, Stuck
+from .events import Event, HostLost, JobExit, RankExit, StartFailed, Stuck
 from .output import OutputSink
 from .plan import JobPlan
-from .procs import STUCK_STATES
+from .procs import STARTING_STATES, STUCK_STATES
 
 TIMEOUT_EXIT = 124
 
@@ -73,6 +80,7 @@ class Outcome:
 
 
 OUTPUT_DRAIN = 0.5  # seconds the report waits for the failing rank's last lines
+CAUSE_WAIT = 3.0  # seconds more to listen for a cause while every failure is a consequence
 STUCK_ASK = 1.0  # seconds to ask the hosts which ranks are stopped
 
 
@@ -83,9 +91,25 @@ def _failed(ev: Event) -> bool:
 
 
 def _code(ev: Event) -> int:
+    if isinstance(ev, StartFailed):
+        return 127  # the shell's "command not found"
     if isinstance(ev, HostLost):
         return 255 if ev.code in (0, 255) else exit_code(ev.code)
     return exit_code(ev.code)
+
+
+def _record(ev: Event) -> blame.FailureRecord | None:
+    return ev.record if isinstance(ev, RankExit) else None
+
+
+def _tier(ev: Event) -> int:
+    return blame.tier(_record(ev), ev.code if isinstance(ev, RankExit) else None)
+
+
+def _blamed(found: list[Event], wall: Callable[[float], float]) -> list[Event]:
+    """``found`` in the order of blame: the culprit first (failures.py)."""
+    return sorted(found, key=lambda e: blame.blame_key(
+        _record(e), e.code if isinstance(e, RankExit) else None, wall(e.time), e.time))
 
 
 def supervise(
@@ -105,6 +129,7 @@ def supervise(
     earliest failure. ``clock`` and ``events`` (the channel the backend reports on, read
     with a timeout) are the seams of the fake-clock tests, whose queue moves their clock."""
     events = queue.Queue() if events is None else events
+    wall = blame.wall_clock(clock, time.time)
     remaining = {r.rank for r in plan.ranks}
     deadline = clock() + timeout if timeout else None
     outcome: Outcome | None = None
@@ -123,20 +148,28 @@ def supervise(
                     _report_timeout(plan, sink, timeout, outcome.still_running)
                 continue
             _account(ev, remaining)
-            if _failed(ev) and not fail_fast:
+            if isinstance(ev, StartFailed):  # the same program everywhere: nothing runs
+                _report_cannot_start(sink, ev.program, ev.reason)
+                outcome = Outcome(127)
+            elif _failed(ev) and not fail_fast:
                 seen.append(ev)
             elif _failed(ev):
                 failures = [ev, *_settle(events, remaining, clock() + backend.settle, clock)]
-                failures.sort(key=lambda e: e.time)
-                stuck = tuple(s for s in backend.stuck(STUCK_ASK) if s.rank in remaining)
+                stuck = tuple(backend.stuck(STUCK_ASK))
+                # a stopped rank is the cause its peers failed on: none to wait for
+                if not stuck and all(_tier(e) != blame.ROOT for e in failures):
+                    failures += _settle(events, remaining, clock() + CAUSE_WAIT, clock,
+                                        until=lambda e: _tier(e) == blame.ROOT)
+                failures = _blamed(failures, wall)
+                stuck = tuple(s for s in stuck if s.rank in remaining)
                 outcome = Outcome(_code(failures[0]), failures[0], tuple(sorted(remaining)),
                                   stuck)
                 _report_failure(plan, backend, sink, failures, stuck)
         if outcome is None and seen:
-            first = min(seen, key=lambda e: e.time)
+            first = _blamed(seen, wall)[0]
             outcome = Outcome(_code(first), first)
-    except OSError as exc:  # the program could not be started at all
-        sink.note(f"cannot start {exc.filename or plan.program[0]!r}: {exc.strerror}")
+    except OSError as exc:  # the program could not be started at all (the fork failed)
+        _report_cannot_start(sink, exc.filename or plan.program[0], exc.strerror)
         outcome = Outcome(127)
     except Interrupted as exc:
         sink.note(f"{exc}: stopping all ranks")
@@ -146,7 +179,7 @@ def supervise(
             backend.close(grace)
     if outcome is not None and outcome.code not in (0, 127):
         sink.note(f"job {plan.job_id} ended with exit code {outcome.code}; if a host kept its "
-                  f"shared memory: ddlrun --cleanup --job-id {plan.job_id} there")
+                  "shared memory: ddlrun --cleanup there (it removes what no process maps)")
     return outcome or Outcome(0)
 
 
@@ -157,11 +190,13 @@ def _account(ev: Event, remaining: set[int]) -> None:
         remaining.clear()
 
 
-def _settle(events: queue.Queue, remaining: set[int], until: float,
-            clock: Callable[[], float]) -> list[Event]:
-    """The failures heard of until ``until`` (or until every rank has exited)."""
+def _settle(events: queue.Queue, remaining: set[int], end: float,
+            clock: Callable[[], float], until: Callable[[Event], bool] | None = None
+            ) -> list[Event]:
+    """The failures heard of until ``end`` (or until every rank has exited, or one for
+    which ``until`` is true has come)."""
     found = []
-    while remaining and (left := until - clock()) > 0:
+    while remaining and (left := end - clock()) > 0:
         try:
             ev = events.get(timeout=left)
         except queue.Empty:
@@ -169,6 +204,8 @@ def _settle(events: queue.Queue, remaining: set[int], until: float,
         _account(ev, remaining)
         if _failed(ev):
             found.append(ev)
+            if until is not None and until(ev):
+                break
     return found
 
 
@@ -188,6 +225,10 @@ def signals_raise_ignored() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _report_cannot_start(sink: OutputSink, program: str, reason: str | None) -> None:
+    sink.note(f"cannot start {program!r}: {reason}")
+
+
 def _host(plan: JobPlan, index: int) -> str:
     return plan.hosts[index].host.name
 
@@ -196,8 +237,9 @@ def _report_stuck(plan: JobPlan, sink: OutputSink, stuck: tuple[Stuck, ...],
                   failed: RankExit | None) -> None:
     """Stopped ranks first: their peers' errors are only the consequence."""
     for i, s in enumerate(stuck):
+        states = STARTING_STATES if s.starting else STUCK_STATES
         what = (f"rank {s.rank} on host {_host(plan, s.host_index)} (pid {s.pid}) is "
-                f"{STUCK_STATES.get(s.state, f'in state {s.state}')}")
+                f"{states.get(s.state, f'in state {s.state}')}")
         if i:
             sink.note(f"{what} too")
         elif failed is not None:
@@ -209,19 +251,31 @@ def _report_stuck(plan: JobPlan, sink: OutputSink, stuck: tuple[Stuck, ...],
 
 def _report_failure(plan: JobPlan, backend: Backend, sink: OutputSink, failures: list[Event],
                     stuck: tuple[Stuck, ...]) -> None:
+    """``failures`` in the order of blame: the culprit first."""
     first = failures[0]
+    if isinstance(first, StartFailed):
+        _report_cannot_start(sink, first.program, first.reason)
+        return
     if isinstance(first, JobExit):
         sink.note(f"{backend.name} {describe_code(first.code)}")
         for line in sink.tail(-1)[-10:]:
             sink.note(f"  | {line}")
+        _report_records(plan, backend, sink)
         return
     _report_stuck(plan, sink, stuck, first if isinstance(first, RankExit) else None)
     if isinstance(first, HostLost):
         sink.note(f"{first.message}; stopping the job")
     else:
-        _report_rank(plan, backend, sink, first)
+        _report_rank(plan, backend, sink, first, explained=bool(stuck))
     # SIGTERM is what teardowns send (an agent stops its host's ranks on a failure there)
-    later = [e for e in failures[1:] if isinstance(e, RankExit) and e.code != -signal.SIGTERM]
+    later = [e for e in failures[1:] if isinstance(e, RankExit)
+             and (e.code != -signal.SIGTERM or e.record is not None)]
+    cwd = backend.opts.cwd or os.getcwd()
+    for e in later:
+        if e.record is not None and not e.record.after_peer:
+            sink.note(f"rank {e.rank} on host {_host(plan, e.host_index)} (pid {e.pid}) failed "
+                      f"too, later: {e.record.summary(cwd)} ({describe_code(e.code)})")
+    later = [e for e in later if e.record is None or e.record.after_peer]
     if later:
         if stuck:
             cause = f"rank {stuck[0].rank}"
@@ -233,9 +287,18 @@ def _report_failure(plan: JobPlan, backend: Backend, sink: OutputSink, failures:
         sink.note(f"then {names}: follow-on failures of {cause} (their output is above)")
 
 
-def _report_rank(plan: JobPlan, backend: Backend, sink: OutputSink, ev: RankExit) -> None:
-    sink.note(f"rank {ev.rank} on host {_host(plan, ev.host_index)} (pid {ev.pid}) "
-              f"{describe_code(ev.code)}; stopping the other ranks")
+def _report_rank(plan: JobPlan, backend: Backend, sink: OutputSink, ev: RankExit,
+                 explained: bool = False) -> None:
+    """``explained``: a stopped rank was named as the cause already."""
+    where = f"rank {ev.rank} on host {_host(plan, ev.host_index)} (pid {ev.pid})"
+    if ev.record is None:
+        sink.note(f"{where} {describe_code(ev.code)}; stopping the other ranks")
+    else:
+        sink.note(f"{where} failed: {ev.record.summary(backend.opts.cwd or os.getcwd())} "
+                  f"({describe_code(ev.code)}); stopping the other ranks")
+        if ev.record.after_peer and not explained:
+            sink.note(f"rank {ev.rank} failed because another rank did, but no rank reported "
+                      "a cause of its own (one that ran on without error, or was stopped?)")
     backend.wait_output(ev.rank, OUTPUT_DRAIN)
     tail = sink.tail(ev.rank)
     if tail:
@@ -245,6 +308,26 @@ def _report_rank(plan: JobPlan, backend: Backend, sink: OutputSink, ev: RankExit
     logs = sink.logs.get(ev.rank)
     if logs:
         sink.note(f"logs: {logs.stdout} {logs.stderr}")
+
+
+def _report_records(plan: JobPlan, backend: Backend, sink: OutputSink) -> None:
+    """Under a launcher that is one process (mpirun, srun): the records its ranks left
+    where ddlrun can read them (``Backend.records``) name the root cause."""
+    found = backend.records()
+    if not found:
+        return
+    ranks = sorted(found, key=lambda r: blame.blame_key(found[r], None, 0.0, 0.0))
+    cwd = backend.opts.cwd or os.getcwd()
+    host_of = {r.rank: r.host_index for r in plan.ranks}
+    rank, record = ranks[0], found[ranks[0]]
+    host = _host(plan, host_of[rank]) if rank in host_of else "?"
+    note = (" (it failed because another rank did; no rank whose record ddlrun could read "
+            "reported a cause of its own)" if record.after_peer else "")
+    sink.note(f"rank {rank} on host {host} failed first: {record.summary(cwd)}{note}")
+    after = sorted(r for r in ranks[1:] if found[r].after_peer)
+    if after:
+        names = ", ".join(f"rank {r}" for r in after)
+        sink.note(f"then {names}: follow-on failures of rank {rank} (their output is above)")
 
 
 def _report_timeout(plan: JobPlan, sink: OutputSink, timeout: float | None,

@@ -1,58 +1,72 @@
-"""Shared-memory cleanup on one host: a job's segments (``ddl.engines.segments.cleanup_job``)
-and the orphans of killed jobs (``ddl.engines.orphans``), with fallbacks for hosts where the
-ddl core is not importable (the same naming rule; the orphan scan is standard library only,
-so it is loaded from its file without the rest of ddl)."""
+"""Shared-memory cleanup on one host: a job's segments (``cleanup``), the orphans of killed
+jobs (``sweep_orphans``), and the janitor that removes a job's segments when ddlrun itself
+is killed (``Janitor``).
+
+Which files are a job's, how its segments are named and what marks them all live in one
+standard-library file, ``ddl/engines/orphans.py``; ddlrun loads it by path where ``import
+ddl`` fails (``orphans_module``), so a host with a broken ddl still gets the same rules.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import re
+import subprocess
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
 from .errors import LaunchError
 
+JANITOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "janitor.py")
 
-def job_id_rule() -> re.Pattern[str]:
-    """The job-id rule, from its one copy in ``ddl/engines/orphans.py`` (standard library
-    only, so it loads where ``import ddl`` fails). ddl and ddlrun ship as one distribution:
-    a missing core is a broken install."""
-    orphans = orphans_module()
-    if orphans is None:
+
+def job_id_rule():
+    """The job-id rule, from its one copy in ``ddl/engines/orphans.py``. ddl and ddlrun ship
+    as one distribution: a missing core is a broken install."""
+    return _core().JOB_ID
+
+
+def _core() -> ModuleType:
+    core = orphans_module()
+    if core is None:
         raise LaunchError("ddlrun: the ddl package is not installed next to ddlrun; "
                           "reinstall powerddl")
-    return orphans.JOB_ID
+    return core
 
 
-def cleanup(job_id: str, host_index: int | None) -> list[str]:
+def job_secret(env: Mapping[str, str]) -> bytes | None:
+    """The secret ranks started with ``env`` have (``DDL_JOB_SECRET`` or the file
+    ``DDL_JOB_SECRET_FILE``), read by ddl's own rule; None when there is none, or it cannot
+    be read here (the ranks then fail on it themselves)."""
     try:
-        from ddl.engines.segments import cleanup_job
+        from ddl.errors import DDLError
+        from ddl.identity import job_secret as read
     except ImportError:
-        return _fallback(job_id, host_index)
-    return cleanup_job(job_id, host_index)
-
-
-def _fallback(job_id: str, host_index: int | None, shm_dir: str = "/dev/shm") -> list[str]:
-    if not job_id_rule().match(job_id):
-        return []
-    prefix = f"ddl-{job_id}-h" + ("" if host_index is None else f"{host_index}-")
-    removed = []
+        return None
     try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return []
-    for n in names:
-        if not n.startswith(prefix):
-            continue
-        if host_index is None and not n[len(prefix):].split("-", 1)[0].isdigit():
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, n))
-            removed.append(n)
-        except OSError:
-            pass
-    return sorted(removed)
+        return read(env)
+    except DDLError:
+        return None
+
+
+def _stderr_note(text: str) -> None:
+    sys.stderr.write(f"ddlrun: {text}\n")
+    sys.stderr.flush()
+
+
+def cleanup(job_id: str, host_index: int | None, secret: bytes | None = None,
+            note: Callable[[str], None] | None = None) -> list[str]:
+    """Remove the job's segments on this host (one host index, or all): only those provably
+    the job's (our uid, mode 0600, the job's token, and the name's key when the job has a
+    ``secret``; without it, a keyed name only when no process maps it). What is left alone
+    is reported in one line through ``note`` (default: stderr). The names removed."""
+    result = _core().remove_job(job_id, host_index, secret)
+    line = result.left_line()
+    if line:
+        (note or _stderr_note)(line)
+    return list(result.removed)
 
 
 def orphans_module() -> ModuleType | None:
@@ -64,20 +78,28 @@ def orphans_module() -> ModuleType | None:
         pass
     else:
         return orphans
-    try:
-        spec = importlib.util.find_spec("ddl")  # finds the package without running it
-    except (ImportError, ValueError):
+    path = core_path()
+    if path is None:
         return None
-    if spec is None or not spec.origin:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "engines", "orphans.py")
     file_spec = importlib.util.spec_from_file_location("_ddlrun_orphans", path)
-    if file_spec is None or file_spec.loader is None or not os.path.exists(path):
+    if file_spec is None or file_spec.loader is None:
         return None
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[file_spec.name] = module  # dataclasses look their module up there
     file_spec.loader.exec_module(module)
     return module
+
+
+def core_path() -> str | None:
+    """The path of ``ddl/engines/orphans.py``, found without running ddl's ``__init__``."""
+    try:
+        spec = importlib.util.find_spec("ddl")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "engines", "orphans.py")
+    return path if os.path.exists(path) else None
 
 
 def sweep_orphans() -> list[tuple[str, int]]:
@@ -94,3 +116,60 @@ def sweep_orphans() -> list[tuple[str, int]]:
 
 def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
+
+
+class Janitor:
+    """Removes the job's segments on this host the moment ddlrun dies without doing so.
+
+    ``kill -9`` of ddlrun (or the OOM killer) takes its ranks with it (``PR_SET_PDEATHSIG``)
+    before they can unlink their ``ddl.malloc`` heaps, which would hold /dev/shm until a
+    later sweep. The janitor (``janitor.py``, one small process per job, in a session of its
+    own so that a signal to ddlrun's process group spares it) waits on a pipe only ddlrun
+    holds, as Horovod's ``safe_shell_exec`` watches its parent: ddlrun's end of the job
+    writes ``done`` and the janitor exits at once; end of file without ``done`` means ddlrun
+    died, and the janitor removes the job's segments of ``host_indexes`` (by the rules of
+    ``cleanup``, with the job's secret, which reaches it through the pipe, never its
+    command line), reports in one line on ddlrun's stderr, and exits."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self._proc = proc
+
+    @classmethod
+    def start(cls, job_id: str, host_indexes: Iterable[int], secret: bytes | None
+              ) -> Janitor | None:
+        """The janitor of a job, or None where it cannot run (no ddl core here, no fork)."""
+        core = core_path()
+        if core is None:
+            return None
+        spec = {"core": core, "job_id": job_id, "hosts": sorted(set(host_indexes)),
+                "secret": secret.hex() if secret else None}
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", JANITOR], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, start_new_session=True)
+        except OSError:
+            return None
+        try:
+            proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:  # it died already: nothing to watch with
+            proc.kill()
+            proc.wait()
+            return None
+        return cls(proc)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """ddlrun is alive at the job's end: the janitor exits without removing anything."""
+        try:
+            self._proc.stdin.write(b"done")
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()

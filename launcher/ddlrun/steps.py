@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 from . import envs
 from .backends import Backend
 from .backends.ssh import AgentBackend, SshBackend
-from .errors import PreflightError
+from .errors import PreflightError, UsageError
 from .hosts import HostSpec, is_local
 from .output import OutputSink, log_paths
 from .plan import HostFacts, JobPlan, Request, describe, make_plan, validate_job_id
 from .preflight import (
     ProbeResult,
+    ProbeRuns,
     check,
     facts_from_probe,
     pick_free_pair,
@@ -36,17 +37,17 @@ from .preflight import (
     version_table,
 )
 from .run import signals_raise, supervise
-from .shm import cleanup, mib, sweep_orphans
+from .shm import Janitor, cleanup, job_secret, mib, sweep_orphans
 
 if TYPE_CHECKING:
     from .cli import Config
 
-PYTHON_NAME = re.compile(r"^python[0-9.]*$")
+PYTHON_NAME = re.compile(r"python[0-9.]*")
 
 
 def is_python(program: str) -> bool:
     """Whether the program is a python interpreter (``python``, ``python3.11``, a path)."""
-    return bool(PYTHON_NAME.match(os.path.basename(program)))
+    return bool(PYTHON_NAME.fullmatch(os.path.basename(program)))
 
 
 def new_job_id() -> str:
@@ -81,11 +82,74 @@ def _user_env_value(cfg: Config, name: str, environ: Mapping[str, str]) -> str |
     return environ.get(name) if cfg.launcher == "local" else None
 
 
+def ddl_env(cfg: Config, environ: Mapping[str, str]) -> dict[str, str]:
+    """ddl's own variables (``ddl.config``'s registry) as the ranks will get them, from
+    ``-x`` or ddlrun's environment, less those ddlrun sets itself. Empty where ``import
+    ddl`` fails here: the workers' ddl then reads them."""
+    try:
+        from ddl import config
+    except ImportError:
+        return {}
+    ours = set(envs.of_kind("rank", "torchrun", "horovodrun", "layout"))
+    given = {name: _user_env_value(cfg, name, environ) for name in config.REGISTRY
+             if name.startswith("DDL_") and name not in ours}
+    return {name: value for name, value in given.items() if value}
+
+
+def check_ddl_env(cfg: Config, environ: Mapping[str, str]) -> None:
+    """ddl's variables by ddl's own rules (``ddl.config.get``: the type and the allowed
+    range), and the store port they leave: a bad value is one UsageError line here,
+    before any host is probed, instead of a traceback from every rank's ``ddl.init()``."""
+    given = ddl_env(cfg, environ)
+    if not given and not cfg.master_port:
+        return
+    from ddl import config
+    from ddl.errors import DDLConfigError
+
+    exported = {key for key, _ in cfg.request.env}
+    for name in given:
+        try:
+            config.get(name, given)
+        except DDLConfigError as exc:
+            where = "-x" if name in exported else "ddlrun's environment"
+            raise UsageError(f"{exc}; the ranks would get it from {where}") from None
+    if cfg.master_port:
+        try:
+            config.store_port(cfg.master_port, config.get(envs.DDL_PORT, given))
+        except DDLConfigError as exc:
+            raise UsageError(f"--master-port {cfg.master_port}: {exc}") from None
+
+
+def check_staging(cfg: Config, plan: JobPlan, environ: Mapping[str, str]) -> None:
+    """A job on one host that sets the shared-memory engine's staging: its size for the
+    host's ranks by the engine's own rule (``ddl.engines.shm.staging_slot``), so a
+    DDL_SHM_MAX_BYTES too small for them is one UsageError line here. Across hosts the
+    engines' sizes follow the mode's grid: the ranks check them."""
+    given = ddl_env(cfg, environ)
+    slot, area = "DDL_SHM_SLOT_BYTES", "DDL_SHM_MAX_BYTES"
+    if len(plan.hosts) != 1 or cfg.per_node or not given.keys() & {slot, area}:
+        return
+    from ddl import config
+    from ddl.engines.shm import staging_slot
+    from ddl.errors import DDLConfigError
+
+    try:
+        staging_slot(config.get(slot, given), config.get(area, given),
+                     len(plan.hosts[0].ranks))
+    except DDLConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) -> dict[int, str]:
-    """The ports rank 0's host will bind, and what each is for (for preflight messages)."""
+    """The ports rank 0's host will bind, and what each is for (for preflight messages).
+    The values were checked (``check_ddl_env``)."""
     ports: dict[int, str] = {}
-    ddl_port = _user_env_value(cfg, envs.DDL_PORT, environ)
-    store = int(ddl_port) if ddl_port and ddl_port.isdigit() else None
+    given = ddl_env(cfg, environ)
+    store = None
+    if given.get(envs.DDL_PORT):
+        from ddl.config import get
+
+        store = get(envs.DDL_PORT, given)
     if master_port:
         ports[master_port] = (f"MASTER_PORT {master_port} (torch's init_process_group binds "
                               "it)")
@@ -99,8 +163,8 @@ def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) 
 
 def run_cleanup(job_id: str | None, sink: OutputSink) -> int:
     """``ddlrun --cleanup``: this host only (run it on each host of a killed job)."""
-    if job_id:
-        for name in cleanup(validate_job_id(job_id), None):
+    if job_id:  # the job's secret, if it had one, from DDL_JOB_SECRET(_FILE) here
+        for name in cleanup(validate_job_id(job_id), None, job_secret(os.environ), sink.note):
             print(f"removed /dev/shm/{name}", flush=True)
         return 0
     removed = sweep_orphans()
@@ -126,8 +190,10 @@ def sweep_at_start(sink: OutputSink) -> None:
 def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
                  ) -> tuple[dict[str, HostFacts], list[ProbeResult]]:
     """Probe every host: in-process for local ones, through the backend's transport (ssh,
-    blaunch) for remote ones; host 0 checks ``ports``. Returns facts and the raw results."""
+    blaunch) for remote ones; host 0 checks ``ports``. Returns facts and the raw results.
+    Interrupted (``signals_raise``), it kills the probes still running and re-raises."""
     req = cfg.request
+    runs = ProbeRuns()
     iface = req.network_interface
     here = {socket.gethostname()}
 
@@ -139,14 +205,15 @@ def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
 
     def one(host: HostSpec, check: Sequence[int]) -> ProbeResult:
         if is_local(host.name, here):
-            return ProbeResult(host.name, probe(check, iface, python), None)
+            return ProbeResult(host.name, probe(check, iface, python, runs.run), None)
         return probe_remote(host.name, remote.probe_cmd(host, check, iface, python),
-                            cfg.options.start_timeout + 5, remote.fix_hint(host))
+                            cfg.options.start_timeout + 5, remote.fix_hint(host), runs.run)
 
     hosts = list(req.hosts)
     results = probe_all([h.name for h in hosts],
                         lambda name: one(next(h for h in hosts if h.name == name),
-                                         ports if name == hosts[0].name else ()))
+                                         ports if name == hosts[0].name else ()),
+                        stop=runs.kill)
     facts = {r.host: facts_from_probe(r.data) for r in results if r.data is not None}
     return facts, results
 
@@ -265,9 +332,28 @@ def act(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink) -> int:
         for argv_ in backend.commands(plan):
             sink.note("running: " + shlex.join(argv_))
     sink.open_logs(log_paths(cfg.log_dir, plan.job_id, (r.rank for r in plan.ranks)))
+    # This host's /dev/shm after the job, or at once if ddlrun is killed (the janitor): the
+    # job's segments of every host index its ranks use, as only those here can be reached
+    # (the ssh/blaunch agents do the same on theirs).
+    indexes = shm_host_indexes(plan)
+    secret = job_secret(plan.ranks[0].env_dict()) if plan.ranks else None
+    janitor = Janitor.start(plan.job_id, indexes, secret)
     try:
         with signals_raise():
             outcome = supervise(plan, backend, sink, cfg.timeout, cfg.options.grace)
     finally:
-        sink.close()
+        try:
+            for index in indexes:  # what a crashed rank left
+                cleanup(plan.job_id, index, secret, sink.note)
+        finally:
+            if janitor is not None:
+                janitor.finish()
+            sink.close()
     return outcome.code
+
+
+def shm_host_indexes(plan: JobPlan) -> list[int]:
+    """The host indexes the ranks name their segments with: ``DDL_HOST_INDEX``, which is
+    the node's rank when one ddlrun runs per node (its plan's only host is index 0)."""
+    return sorted({int(r.env_dict().get(envs.DDL_HOST_INDEX, r.host_index))
+                   for r in plan.ranks})

@@ -84,7 +84,7 @@ def documented(name: str, spans: list[str], blocks: str) -> bool:
 
 def test_every_environment_variable_is_documented():
     text = (DOCS / "tuning.md").read_text()
-    missing = [n for n, _, _ in config.describe() if f"`{n}`" not in text]
+    missing = [row.name for row in config.describe() if f"`{row.name}`" not in text]
     assert not missing, f"add these to docs/tuning.md (ddl-perf env prints them): {missing}"
 
 

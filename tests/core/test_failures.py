@@ -123,13 +123,14 @@ def test_sigkilled_job_leaves_only_what_cleanup_job_removes():
     """A rank killed before every peer attached leaves the control segment; the launcher's
     cleanup path (keyed by job id) removes it and any heap segments."""
     job = "leaktest" + str(os.getpid())
+    token = segments.segment_token(job, None)
     name = segments.segment_name(job, 0, "ctl")
-    mm = segments.create(name, 4096)
+    mm = segments.create(name, 4096, token)
     mm.close()
     heap = segments.segment_name(job, 0, "heap1-0")
-    segments.create(heap, 4096).close()
+    segments.create(heap, 4096, token).close()
     other = segments.segment_name(job + "x", 0, "ctl")
-    segments.create(other, 4096).close()
+    segments.create(other, 4096, segments.segment_token(job + "x", None)).close()
     try:
         assert set(segments.cleanup_job(job)) == {name, heap}
         assert segments.list_job(job) == []
@@ -140,7 +141,7 @@ def test_sigkilled_job_leaves_only_what_cleanup_job_removes():
 
 def test_small_dev_shm_fails_with_a_message_naming_the_fix():
     with pytest.raises(segments.DDLShmError, match="--shm-size"):
-        segments.create("ddl-toolarge-h0-ctl", 1 << 50)
+        segments.create("ddl-toolarge-h0-ctl", 1 << 50, 1)
     assert not os.path.exists("/dev/shm/ddl-toolarge-h0-ctl")
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 
 import pytest
 
@@ -52,31 +56,48 @@ def _forged_ctl_header(size: int) -> bytes:
     return struct.pack(f"<{len(words)}q", *words).ljust(1 << 20, b"\0")
 
 
-def test_a_second_job_with_the_same_id_is_refused_on_every_path():
-    """Job A runs (rank 0 waits for its peer). Job B reuses A's id with another secret:
-    its rank 1 must refuse A's segment (token), its rank 0 must refuse to replace it."""
+def test_a_second_job_with_the_same_id_and_another_secret_never_meets_the_first():
+    """Job A runs (rank 0 waits for its peer). Job B reuses A's id with another secret: its
+    segment names carry its own key, so B runs beside A without seeing A's segments, and A
+    then finishes too."""
     job = new_job_id("same")
-    a0 = _rank(INIT, 0, 2, job, DDL_JOB_SECRET="secret-a")
+    a0 = _rank(MALLOC, 0, 2, job, DDL_JOB_SECRET="secret-a")
     try:
         deadline = time.monotonic() + 20
         while not segments.list_job(job) and time.monotonic() < deadline:
             time.sleep(0.02)
-        b1 = _rank(INIT, 1, 2, job, DDL_JOB_SECRET="secret-b")
-        code, out, err = _finish(b1)
-        assert code == 1 and "joined" not in out
-        assert "belongs to another job" in err and "DDLShmError" in err, err
-        b0 = _rank(INIT, 0, 2, job, DDL_JOB_SECRET="secret-b")
-        code, out, err = _finish(b0)
-        assert code == 1 and "joined" not in out
-        assert "belongs to a running process" in err, err
-        # A's own rank 1 still joins A: nothing of A was disturbed.
-        a1 = _rank(INIT, 1, 2, job, DDL_JOB_SECRET="secret-a")
-        assert _finish(a1)[0] == 0
-        code, out, err = _finish(a0)
-        assert code == 0 and "joined" in out, err
+        b = [_rank(MALLOC, r, 2, job, DDL_JOB_SECRET="secret-b") for r in range(2)]
+        for p in b:
+            code, out, err = _finish(p)
+            assert code == 0 and "sum 0.5" in out, err  # the mean of B's ranks 0 and 1
+        a1 = _rank(MALLOC, 1, 2, job, DDL_JOB_SECRET="secret-a")
+        for p in (a1, a0):
+            code, out, err = _finish(p)
+            assert code == 0 and "sum 0.5" in out, err
     finally:
         a0.kill()
-        segments.cleanup_job(job)
+        for secret in (b"secret-a", b"secret-b"):
+            segments.cleanup_job(job, None, secret)
+
+
+def test_a_segment_of_this_user_with_another_token_is_refused_on_every_path():
+    """A file of our own uid, mode 0600, under the job's (keyed) control-segment name, whose
+    header names a live creator but another job's token: a joining rank refuses it (token),
+    the rank that would create it refuses to replace it (its creator runs)."""
+    job = new_job_id("token")
+    name = segments.segment_name(job, 0, "ctl", b"secret-a")
+    path = _plant(name, os.geteuid(), 0o600, _forged_ctl_header(2))
+    try:
+        code, out, err = _finish(_rank(INIT, 1, 2, job, DDL_JOB_SECRET="secret-a"))
+        assert code == 1 and "joined" not in out
+        assert "belongs to another job" in err and "DDLShmError" in err, err
+        code, out, err = _finish(_rank(INIT, 0, 2, job, DDL_JOB_SECRET="secret-a"))
+        assert code == 1 and "joined" not in out
+        assert "belongs to a running process" in err, err
+        # and a cleanup with the job's secret leaves it: it does not carry the job's token
+        assert segments.cleanup_job(job, None, b"secret-a") == [] and os.path.exists(path)
+    finally:
+        os.unlink(path)
 
 
 def test_a_rank_claimed_twice_is_refused():
@@ -125,7 +146,7 @@ def test_a_segment_with_a_loose_mode_or_a_link_is_refused(tmp_path):
         with pytest.raises(DDLShmError, match="symbolic link"):
             segments.open_existing(link)
         with pytest.raises(DDLShmError, match="already exists"):
-            segments.create(link, 4096)
+            segments.create(link, 4096, 1)
         assert not (tmp_path / "target").exists(), "create must not follow a planted link"
     finally:
         os.unlink(path)
@@ -173,12 +194,12 @@ def _mpirun(val: float) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _by_hand(val: float, port: int, secret: str | None = None,
-             hold: float = 0) -> list[subprocess.Popen]:
+def _by_hand(val: float, port: int, secret: str | None = None, hold: float = 0,
+             init_timeout: float = 20) -> list[subprocess.Popen]:
     """Two ranks with only the torchrun variables: no job id from anybody."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "MASTER_"))}
     env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VAL=str(val),
-               DDL_INIT_TIMEOUT="20", PYTHONUNBUFFERED="1", HOLD=str(hold))
+               DDL_INIT_TIMEOUT=str(init_timeout), PYTHONUNBUFFERED="1", HOLD=str(hold))
     if secret:
         env["DDL_JOB_SECRET"] = secret
     return [subprocess.Popen([sys.executable, "-c", MIX], env=dict(env, RANK=str(r)),
@@ -224,6 +245,82 @@ def test_concurrent_hand_started_jobs_never_mix():
             assert len(seen) == 1
             ids |= seen
     assert len(ids) == 100
+
+
+@pytest.mark.slow
+def test_hand_started_jobs_on_one_port_never_complete_with_each_others_ranks():
+    """Two jobs by hand on the same MASTER_ADDR:MASTER_PORT with no secret, at the same
+    moment or 0-50 ms apart: a rank of one could claim its number in the other's
+    rendezvous before that job's own rank did, and both "jobs" completed with a sum of 101
+    on every rank. Now the collision's signs (a rank claimed twice, a second rank 0 that
+    cannot bind) fail every rank of the job within DDL_RENDEZVOUS_SETTLE: zero results
+    from a stranger. (200 pairs by hand: docs/security.md.)"""
+    rng = random.Random(7)
+    failed = 0
+    for trial in range(16):
+        port = free_port()
+        first = _by_hand(1.0, port, init_timeout=4)
+        if trial % 2:
+            time.sleep(rng.uniform(0, 0.05))
+        second = _by_hand(100.0, port, init_timeout=4)
+        for val, ranks in ((1.0, first), (100.0, second)):
+            for p in ranks:
+                code, out, err = _finish(p, 60)
+                if code != 0:
+                    failed += 1
+                    assert "Traceback" not in err or "DDL" in err, err[-2000:]
+                for line in out.splitlines():
+                    if line.startswith("RESULT"):
+                        _, vals = _values(line)
+                        assert vals == {2 * val}, f"trial {trial}: a stranger's data {vals}"
+    assert failed, "the jobs collided every time: some ranks must have failed"
+
+
+def _flood(port: int, stop: threading.Event, held: int = 225) -> None:
+    """One flooding thread: connect to the store over and over, keep the last ``held``
+    connections open (4 threads: up to 900), say nothing."""
+    conns: deque = deque()
+    try:
+        while not stop.is_set():
+            try:
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
+            except OSError:
+                time.sleep(0.001)
+                continue
+            if len(conns) > held:
+                conns.popleft().close()
+    finally:
+        for c in conns:
+            c.close()
+
+
+@pytest.mark.slow
+def test_a_connection_flood_on_the_rendezvous_neither_stops_nor_misleads_a_job():
+    """4 threads cycling up to 900 silent connections at the store while a job starts:
+    pending handshakes were evicted and the third cut-off read as a wrong secret (`the
+    secrets differ`, 3 of 5 starts). A cut-off is now retried until the init deadline;
+    only a real refusal (the server's "no") says the secrets differ."""
+    delays = []
+    for trial in range(10):
+        port = free_port()
+        stop = threading.Event()
+        threads = [threading.Thread(target=_flood, args=(port + 1, stop), daemon=True)
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            t0 = time.monotonic()
+            ranks = _by_hand(float(trial), port, secret=f"flood-{trial}")
+            results = [_finish(p, 90) for p in ranks]
+            delays.append(time.monotonic() - t0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        for code, out, err in results:
+            assert code == 0, f"trial {trial}: " + err[-3000:]
+            assert _values(out)[1] == {2.0 * trial}
+    print("start-to-end under the flood, s:", sorted(round(d, 2) for d in delays))
 
 
 def test_a_second_job_on_the_same_port_fails_and_the_first_is_untouched():

@@ -335,12 +335,12 @@ def test_a_wrong_proof_reads_nothing_writes_nothing_and_others_are_still_served(
         # meanwhile the job goes on
         c.set("b", b"1")
         got, closed = _rest(s)
-    assert got == b"" and closed
+    assert got == rdv._NO_PROOF and closed  # "no", a constant: nothing of the job's
     with socket.create_connection((LOCAL, server.port)) as s:  # commands, no handshake
         _hello(s)
         s.sendall(_frames() * 4)
         got, closed = _rest(s)
-    assert got == b"" and closed
+    assert got == rdv._NO_PROOF and closed  # read as a wrong proof
     assert not c.check(["planted"]) and c.num_keys() == keys + 1 and c.get("a") == b"private"
     c.close()
 
@@ -656,9 +656,11 @@ def test_another_user_gets_nothing_from_a_live_job(tmp_path):
     report = json.loads(stranger.stdout)
     assert report["uid"] != 0
     tried = report["attempts"]
-    for name in ("commands without a handshake", "guessed secret", "empty secret",
-                 "open-store client"):
-        assert tried[name]["connected"] and tried[name]["got"] == "", (name, tried[name])
+    for name, answer in (("commands without a handshake", rdv._NO_PROOF),
+                         ("guessed secret", rdv._NO_PROOF), ("empty secret", rdv._NO_PROOF),
+                         ("open-store client", rdv._NO_PROOF)):
+        assert tried[name]["connected"] and tried[name]["got"] == answer.hex(), (name,
+                                                                                 tried[name])
     assert not tried["another loopback address"]["connected"]
     assert not tried["ipv6 loopback"]["connected"]
     assert reps[0]["unchanged"]

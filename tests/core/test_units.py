@@ -56,7 +56,7 @@ def test_config_parses_and_names_bad_values():
         config.get("DDL_SHM_WAIT", {"DDL_SHM_WAIT": "busy"})
     with pytest.raises(DDLConfigError, match="DDL_TIMEOUT"):
         config.get("DDL_TIMEOUT", {"DDL_TIMEOUT": "soon"})
-    names = [n for n, _, _ in config.describe()]
+    names = [row.name for row in config.describe()]
     assert len(names) == len(set(names)) and "DDL_OPTIONS" in names
 
 
@@ -99,9 +99,26 @@ def test_segment_token_depends_on_the_secret():
     assert 0 < identity.segment_token("j", b"s1") < 1 << 63
 
 
+def test_segment_names_carry_a_key_only_the_secret_gives():
+    import re
+
+    from ddl.engines import orphans, segments
+
+    assert segments.segment_name("j", 0, "heap1-0") == "ddl-j-h0-heap1-0"  # no secret
+    keyed = segments.segment_name("j", 0, "heap1-0", b"s1")
+    assert re.fullmatch(r"ddl-j-h0-heap1-0-k[0-9a-f]{16}", keyed)
+    # another secret, another segment of the job: another key (one name reveals no other)
+    assert keyed != segments.segment_name("j", 0, "heap1-0", b"s2")
+    assert keyed[-16:] != segments.segment_name("j", 0, "heap1-1", b"s1")[-16:]
+    assert keyed[-16:] != segments.segment_name("j", 1, "heap1-0", b"s1")[-16:]
+    # a keyed name still says whose it is (cleanup by job id, and people, find it)
+    match = orphans._PARTS.fullmatch(keyed)
+    assert match and match.groups() == ("j", "0", "heap1-0", keyed[-16:])
+
+
 @pytest.mark.parametrize("env,msg", [
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is outside"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1"),
+    ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' is out of range \(allowed: 1\.\.1048576\)"),
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "5"}, "LOCAL_WORLD_SIZE=5"),
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "2"}, "LOCAL_RANK=2"),
     ({"RANK": "one"}, "RANK='one' is invalid"),
@@ -298,26 +315,28 @@ def test_diagnostics_print_their_line_on_stderr_when_logging_is_unconfigured(cap
         log.handlers[:] = saved[1]
 
 
-def test_every_spelling_is_generated_from_its_row_and_runs():
-    """api.SPELLINGS: each row is a public function of ddl with the row's arguments then
-    name and group; in-place rows take no ``out``; async rows return a Handle whose result
-    is the blocking row's (1-rank world, numpy)."""
+def test_every_spelling_is_a_documented_def_and_runs():
+    """api.SPELLINGS: each is a public function of ddl, a real ``def`` with a docstring,
+    whose last arguments are name and group; in-place spellings take no ``out``; async
+    ones return a Handle whose result is the blocking one's (1-rank world, numpy)."""
     import inspect
 
     import ddl
     from ddl import api
     from ddl.runtime import Handle
 
-    labels = [row[0] for row in api.SPELLINGS]
+    labels = [fn.__name__ for fn in api.SPELLINGS]
     assert len(set(labels)) == len(labels) == 14
     ddl.init()
     try:
-        for label, args, _plan, async_, _doc in api.SPELLINGS:
+        for spelling in api.SPELLINGS:
+            label = spelling.__name__
+            async_ = "_async" in label
             fn = getattr(ddl, label)
-            assert fn is getattr(api, label) and fn.__name__ == label and fn.__doc__
+            assert fn is spelling and fn.__doc__ and inspect.getsourcefile(fn) == api.__file__
             params = list(inspect.signature(fn).parameters)
             assert params[-2:] == ["name", "group"], (label, params)
-            assert ("out" in params) == ("out=None" in args), label
+            assert ("out" in params) == (label in ("allreduce", "allreduce_async")), label
             x = np.arange(6.0).reshape(3, 2)
             arg = [x.copy()] if label.startswith("grouped") else x.copy()
             got = fn(arg, name=f"t.{label}")

@@ -54,3 +54,36 @@ def marker():
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+def janitor_of(ddlrun_pid: int, timeout: float = 5.0) -> int | None:
+    """The pid of ddlrun's janitor (``ddlrun/janitor.py``, its child in a session of its
+    own), found by its parent pid: None if there is none within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == ddlrun_pid and b"janitor.py" in cmdline:
+                return int(d)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
+def pid_alive(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` (/proc/PID/stat field 22) still
+    runs: a zombie, or another process under a reused pid, is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and fields[19] == start

@@ -109,3 +109,61 @@ def test_lsf_hosts_from_mcpu_and_hostfile():
     with pytest.raises(UsageError, match=r"/x/hosts:2"):
         lsf_hosts(env, read_lines=lambda path: ["hA", "h;B"])
     assert detect_allocation({}) is None
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("lines,says", [
+    (["h1 slots=\u00b2"], "slots must be a positive integer, got '\u00b2'"),  # isdigit() took it
+    (["h1:\u0663"], "slots must be a positive integer"),  # an Arabic-Indic 3 (int() took it)
+    (["h1 slots=100000000000"], "slots must be 1..4096 per host, got 100000000000"),
+    (["h1 max_slots=\u00b2"], "slots must be a positive integer"),
+])
+def test_hostfile_counts_are_ascii_and_capped(lines, says):
+    with pytest.raises(UsageError, match=rf"^hosts:1: {says}"):
+        parse_hostfile(lines, "hosts")
+
+
+def test_slots_over_the_cap_fail_at_once():
+    """-H localhost:100000000000 --dry-run used to end in MemoryError after 18 s."""
+    from ddlrun.hosts import MAX_SLOTS
+
+    assert parse_host_list(f"h1:{MAX_SLOTS}") == (HostSpec("h1", MAX_SLOTS),)
+    with pytest.raises(UsageError, match=rf"-H: slots must be 1..{MAX_SLOTS} per host"):
+        parse_host_list("localhost:100000000000")
+    with pytest.raises(UsageError, match="counts more than"):
+        expand_tasks_per_node("1(x100000000000)")
+    with pytest.raises(UsageError, match="expands to 100000000000 hosts"):
+        expand_nodelist("n[1-100000000000]")
+    with pytest.raises(UsageError, match="expands to 4000000 hosts"):
+        expand_nodelist("r[1-2000]n[1-2000]")
+    with pytest.raises(UsageError, match="slots must be 1..4096"):
+        slurm_hosts({"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "100000"})
+
+
+def test_a_hostfile_that_is_not_utf8_is_one_line_with_its_line(tmp_path):
+    from ddlrun.hosts import read_text_lines
+
+    path = tmp_path / "hosts"
+    path.write_bytes(b"h1 slots=2\nh\xe9 slots=2\n")  # Latin-1
+    with pytest.raises(UsageError, match=rf"^--hostfile {path}:2: byte b'\\xe9' is not UTF-8"):
+        read_text_lines(str(path), "--hostfile")
+    with pytest.raises(UsageError, match="cannot read --hostfile"):
+        read_text_lines(str(tmp_path / "missing"), "--hostfile")
+
+
+@pytest.mark.parametrize("check,value", [
+    ("hostname", "h1\n"), ("hostname", "h1\nevil"), ("user", "bob\n"), ("env", "FOO\n"),
+    ("job_id", "job1\n"), ("core_job_id", "job1\n"), ("selection", "h1:\u00b2"),
+])
+def test_a_trailing_newline_or_foreign_digit_does_not_pass_validation(check, value):
+    """``$`` in a pattern also matches before a final newline: every rule is fullmatch."""
+    from ddl.engines.segments import validate_job_id as core_job_id
+    from ddl.errors import DDLConfigError
+    from ddlrun.hosts import parse_selection, validate_hostname, validate_user
+    from ddlrun.plan import validate_env_name, validate_job_id
+
+    call = {"hostname": validate_hostname, "user": validate_user, "env": validate_env_name,
+            "job_id": validate_job_id, "core_job_id": core_job_id,
+            "selection": parse_selection}[check]
+    with pytest.raises((UsageError, DDLConfigError)):
+        call(value)

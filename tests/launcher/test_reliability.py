@@ -1,6 +1,7 @@
 """Fault injection with real processes, counted: ranks SIGKILLed or SIGSTOPped at a random
 collective, a failing rank whose child holds its stdout, 64 MiB without a newline beside a
-collective loop, and ddlrun itself SIGKILLed (its ranks' shared memory is then swept).
+collective loop, and ddlrun itself SIGKILLed with its janitor (its ranks' shared memory is
+then swept; ddlrun SIGKILLed alone: test_shm_cleanup.py).
 
 Every run must name the right rank first, exit with the right code, leave no process (by
 the pids the ranks announced, never by name) and no /dev/shm segment of its job, and end in
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ddlrun_testlib import HERE, PY, ddlrun_argv, run_ddlrun, shm_left
+from ddlrun_testlib import HERE, PY, ddlrun_argv, janitor_of, pid_alive, run_ddlrun, shm_left
 
 FAULTS = str(HERE / "scripts" / "faults.py")
 TIMEOUT = 2  # DDL_TIMEOUT of the jobs: survivors of a stopped rank give up after this
@@ -35,19 +36,12 @@ def announced(stdout: str) -> list[tuple[int, str]]:
             for m in re.finditer(r"^\[\d+\] pid (\d+) (\d+)$", stdout, re.M)]
 
 
-def alive(pid: int, start: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and fields[19] == start  # a zombie or a reused pid is gone
 
 
 def left_alive(pids: list[tuple[int, str]], within: float = 5.0) -> list[int]:
     deadline = time.monotonic() + within
     while True:
-        left = [pid for pid, start in pids if alive(pid, start)]
+        left = [pid for pid, start in pids if pid_alive(pid, start)]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -178,12 +172,18 @@ def age(job: str, seconds: float = 60.0) -> None:
 
 
 def kill_ddlrun(proc: subprocess.Popen, pids: list[tuple[int, str]]) -> None:
+    """SIGKILL to ddlrun's janitor, then to ddlrun's process group (the whole tree killed
+    at once, as by the OOM killer or ``kill -9 -1``: nothing cleans up after the job)."""
+    janitor = janitor_of(proc.pid)
+    assert janitor is not None, "ddlrun started no janitor"
+    os.kill(janitor, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)  # ddlrun's own group: the ranks have their sessions
     proc.wait(timeout=10)
     assert left_alive(pids) == []  # PR_SET_PDEATHSIG took the ranks with it
 
 
-def test_sigkill_of_ddlrun_leaks_nothing_a_later_ddlrun_does_not_remove(marker):
+def test_sigkill_of_ddlrun_and_its_janitor_leaks_nothing_a_later_ddlrun_does_not_remove(
+        marker):
     from ddl.engines import orphans
 
     job = f"kill_{marker[-8:]}"

@@ -20,30 +20,13 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import timeline as _tl
+from ..config import CHUNK_MIN
 from ..dtypes import DType
 from ..errors import DDLTimeoutError
-from ..grid import even_split
+from ..grid import chunk_sizes, even_split
 from ..ops import ReduceOp, reduce_into
 
 _log = logging.getLogger("ddl")
-
-
-def chunk_sizes(n: int, chunk: int, ramp: int = 3) -> list[int]:
-    """Chunk lengths for a pipeline over ``n`` elements: ``chunk`` in the middle, and at each
-    end up to ``ramp`` chunks halving in size (..., chunk/4, chunk/2). Nothing crosses the
-    slow link until the first chunk is through the inner dimensions, and the last chunk's
-    allgather runs after the link is done: small end chunks shorten that fill and drain,
-    while full-size chunks in the middle keep the per-operation cost low."""
-    chunk = max(1, chunk)
-    if n <= chunk:
-        return [n]
-    while ramp:
-        ends = [max(1, chunk >> (k + 1)) for k in range(ramp)][::-1]  # chunk/4, chunk/2
-        middle = n - 2 * sum(ends)
-        if middle >= chunk // 2:
-            return ends + even_split(middle, -(-middle // chunk)) + ends[::-1]
-        ramp -= 1
-    return even_split(n, -(-n // chunk))
 
 
 def chunk_plan(n: int, dims, chunk_elems: int) -> list[list[tuple[int, int, list[int]]]]:
@@ -72,7 +55,7 @@ class MultiDim:
         self.dims = [d for d in dims if d.size > 1]
         self.world = world_size
         self.rank = rank
-        self.chunk_bytes = max(4096, chunk_bytes)
+        self.chunk_bytes = max(CHUNK_MIN, chunk_bytes)
         self.timeout = timeout
         self.dump_iter = dump_iter
         self.label = label

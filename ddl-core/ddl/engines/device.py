@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import grid as gridmod
 from ..algorithms.multidim import chunk_plan
+from ..config import CHUNK_MIN
 from ..errors import DDLConfigError
 from ..ops import ReduceOp
 from ..options import Options
@@ -162,7 +163,7 @@ class DeviceEngine:
         self.backend = backend
         self.name = f"ddl/{backend}"
         self.rank, self.size = world.rank, world.size
-        self.chunk_bytes = max(4096, chunk_bytes)
+        self.chunk_bytes = max(CHUNK_MIN, chunk_bytes)
         self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
         self.dims = [DeviceDim(DeviceGroup(store, backend, f"d{d.index}l{d.line_id}",
                                            d.members, d.position, timeout), d.index)

@@ -30,6 +30,11 @@ from ..ops import ReduceOp
 from ..rendezvous import Rendezvous
 from .torch_pg import PGCaller
 
+# The first rank whose process exits because of an uncaught exception says so here, before
+# its groups close ("<rank>\n<reason>"): a peer whose call then fails names it and why
+# (``GlooContext.announce_leaving``, ``GlooContext.who_left``).
+LEAVING_KEY = "ddl/leaving"
+
 _NATIVE_DTYPES = {"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
                   "bool"}
 
@@ -93,6 +98,24 @@ class GlooContext:
                 f"{timeout:g}s ({knob})"
             ) from None
 
+    def announce_leaving(self, why: str) -> None:
+        """This process exits because of ``why`` (ddl.failures.leaving): tell the store
+        before the groups close (the first rank to leave is kept)."""
+        try:
+            self.rendezvous.client.compare_set(LEAVING_KEY, b"", f"{self.rank}\n{why}".encode())
+        except DDLError:
+            pass  # the store is gone too: the peers find out from their connections
+
+    def who_left(self) -> str:
+        """"rank 3's process is exiting (ValueError: boom)" when a rank announced that it
+        leaves; "" when none did or the store cannot say at once."""
+        try:
+            value = self.rendezvous.client.get(LEAVING_KEY, timeout=0)
+        except DDLError:
+            return ""
+        rank, _, why = value.decode(errors="replace").partition("\n")
+        return f"rank {rank}'s process is exiting ({why})"
+
     def close(self) -> None:
         """Leave the rendezvous if this context joined it."""
         if self._owns:
@@ -107,6 +130,7 @@ class GlooGroup:
         """Made once every member has checked in; waits for them until ``deadline`` (a
         ``time.monotonic()`` value) at most."""
         torch, dist = _torch()
+        self._ctx = ctx
         self._torch = torch
         self._dist = dist
         self.members = members
@@ -144,6 +168,16 @@ class GlooGroup:
         self._tag = 0
 
     # -------------------------------------------------------------- helpers
+    def _run(self, what: str, *issues) -> None:
+        """``PGCaller.run``; a lost peer that said why it left is named, with its reason."""
+        try:
+            self._calls.run(what, *issues)
+        except DDLPeerError as exc:
+            left = self._ctx.who_left()
+            if left:
+                exc.args = (f"{exc}; {left}",)
+            raise
+
     def _tensor(self, arr: np.ndarray, dt: DType | None = None):
         t = self._torch.from_numpy(arr)
         if dt is not None and dt.name == "bfloat16":
@@ -164,7 +198,7 @@ class GlooGroup:
         if recv.nbytes:
             r = self._tensor(recv.view(np.uint8))
             issues.append(lambda pg: pg.recv([r], frm, tag))
-        self._calls.run("sendrecv", *issues)
+        self._run("sendrecv", *issues)
 
     # --------------------------------------------------------------- native
     def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
@@ -174,7 +208,7 @@ class GlooGroup:
         t = self._tensor(buf, dt)
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        self._calls.run(f"allreduce({dt.name}[{buf.size}])", lambda pg: pg.allreduce([t], opts))
+        self._run(f"allreduce({dt.name}[{buf.size}])", lambda pg: pg.allreduce([t], opts))
         if op is ReduceOp.AVERAGE:
             t.div_(self.size)  # on the tensor view: right for bfloat16 too
 
@@ -184,18 +218,18 @@ class GlooGroup:
         opts = self._dist.BroadcastOptions()
         opts.rootRank = root
         t = self._tensor(buf.view(np.uint8))
-        self._calls.run(f"broadcast({dt.name}[{buf.size}])", lambda pg: pg.broadcast([t], opts))
+        self._run(f"broadcast({dt.name}[{buf.size}])", lambda pg: pg.broadcast([t], opts))
 
     def allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Equal-size allgather of raw bytes: dst = concat over ranks of src."""
         if dst.nbytes == 0:
             return
         out, inp = self._tensor(dst.view(np.uint8)), self._tensor(src.view(np.uint8))
-        self._calls.run("allgather", lambda pg: pg._allgather_base(out, inp))
+        self._run("allgather", lambda pg: pg._allgather_base(out, inp))
 
     def barrier(self) -> None:
         one = self._torch.zeros(1, dtype=self._torch.uint8)
-        self._calls.run("barrier", lambda pg: pg.allreduce([one]))
+        self._run("barrier", lambda pg: pg.allreduce([one]))
 
     def close(self) -> None:
         self._calls.close()

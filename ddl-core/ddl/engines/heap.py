@@ -1,9 +1,14 @@
 """``ddl.malloc``: arrays that live in shared memory, so peers read and write them in place.
 
-Each rank owns heap segments (``ddl-<job>-h<host>-heap<local rank>-<k>``) carved by a
-first-fit free list; an array returns its block when it is garbage collected. A collective
-whose buffers live here skips the copy into the staging area (IBM's pyddl.malloc did the
-same for fusion buffers). Peers map a heap segment the first time an operation names it.
+Each rank owns heap segments (``ddl-<job>-h<host>-heap<local rank>-<k>``, keyed like every
+segment name when the job has a secret) carved by a first-fit free list; an array returns
+its block when it is garbage collected. A collective whose buffers live here skips the copy
+into the staging area (IBM's pyddl.malloc did the same for fusion buffers). Peers map a
+heap segment the first time an operation names it, so its name stays until shutdown.
+
+A segment's first page is its header (``_MAGIC``, and the job's token where every segment
+has it, ``segments.TOKEN_OFFSET``); the blocks, and the offsets peers are told, start after
+it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import HEAP_MIN
 from ..errors import DDLShmError
 from . import segments
 
 _ALIGN = 256  # cache-line and AVX friendly; keeps every dtype aligned
+_HEADER = mmap.PAGESIZE  # bytes before a segment's blocks
+_MAGIC = int.from_bytes(b"DDL_HEAP", "little")
 _OFF_BITS = 40  # location code = 1 + (segment << 40) + offset
 
 
@@ -51,12 +59,16 @@ class Heap:
     """This rank's shared heap."""
 
     def __init__(self, job_id: str, host_index: int, local_rank: int, segment_bytes: int,
-                 scope: str = ""):
+                 scope: str = "", *, secret: bytes | None = None, token: int | None = None):
+        """``secret``: the job's (keys the names); ``token``: the job's mark, by default
+        ``segments.segment_token(job_id, secret)``."""
         self._job = job_id
         self._scope = scope
         self._host = host_index
         self._lr = local_rank
-        self._segment_bytes = max(segment_bytes, 1 << 20)
+        self._secret = secret
+        self._token = segments.segment_token(job_id, secret) if token is None else token
+        self._segment_bytes = max(segment_bytes, HEAP_MIN)
         self._segs: list[_Segment] = []
         # A block comes back on whichever thread drops its last array (ddl's worker too,
         # or the garbage collector in the middle of a malloc): it is only queued there, and
@@ -69,9 +81,11 @@ class Heap:
         size = -(-at_least // mmap.PAGESIZE) * mmap.PAGESIZE
         if not exact:
             size = max(self._segment_bytes, size)
-        name = segments.segment_name(self._job, self._host, f"{self._scope}heap{self._lr}-{k}")
-        mm = segments.create(name, size)
-        u8 = np.frombuffer(mm, dtype=np.uint8)
+        name = segments.segment_name(self._job, self._host, f"{self._scope}heap{self._lr}-{k}",
+                                     self._secret)
+        mm = segments.create(name, _HEADER + size, self._token)
+        mm[:8] = _MAGIC.to_bytes(8, "little")
+        u8 = np.frombuffer(mm, dtype=np.uint8, offset=_HEADER)
         self._segs.append(_Segment(name, mm, u8, _base(u8), size, [(0, size)]))
         return k
 
@@ -91,7 +105,7 @@ class Heap:
         # An array made straight from the mapping (not a view of seg.u8): numpy collapses
         # view bases, so only an array whose base is the mmap itself is kept alive by every
         # view the caller takes; its finalizer gives the block back.
-        block = np.frombuffer(seg.mm, dtype=np.uint8, count=need, offset=off)
+        block = np.frombuffer(seg.mm, dtype=np.uint8, count=need, offset=_HEADER + off)
         weakref.finalize(block, self._give_back, k, off, need)
         return block[:nbytes].view(dt).reshape(shape)
 
@@ -154,10 +168,13 @@ class Heap:
 class PeerHeaps:
     """Read-write views into the heaps of the other ranks on this host."""
 
-    def __init__(self, job_id: str, host_index: int, scope: str = ""):
+    def __init__(self, job_id: str, host_index: int, scope: str = "", *,
+                 secret: bytes | None = None, token: int | None = None):
         self._job = job_id
         self._scope = scope
         self._host = host_index
+        self._secret = secret
+        self._token = segments.segment_token(job_id, secret) if token is None else token
         self._maps: dict[tuple[int, int], np.ndarray] = {}
 
     def view(self, local_rank: int, loc: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
@@ -166,14 +183,22 @@ class PeerHeaps:
         u8 = self._maps.get(key)
         if u8 is None:
             name = segments.segment_name(self._job, self._host,
-                                         f"{self._scope}heap{local_rank}-{seg}")
+                                         f"{self._scope}heap{local_rank}-{seg}", self._secret)
             try:
-                u8 = np.frombuffer(segments.open_existing(name), dtype=np.uint8)
+                mm = segments.open_existing(name)
             except FileNotFoundError:
                 raise DDLShmError(
                     f"heap segment {name} of local rank {local_rank} is gone "
                     "(was its owner shut down?)"
                 ) from None
+            if not segments.carries(mm, self._token):
+                mm.close()
+                raise DDLShmError(
+                    f"heap segment {segments.SHM_DIR}/{name} of local rank {local_rank} does "
+                    f"not carry this job's token: two jobs share job id {self._job!r}; give "
+                    "each its own DDL_JOB_ID (ddlrun does)"
+                )
+            u8 = np.frombuffer(mm, dtype=np.uint8, offset=_HEADER)
             self._maps[key] = u8
         return u8[off : off + nbytes].view(dtype)
 

@@ -18,8 +18,8 @@ ranks, then several dimensions across hosts (IBM DDL's GPUs x hosts x racks), it
 made for the round of the ranks at this place on every host (``grid.host_line``). On any
 other grid (two dimensions inside a host, or none that is the whole host) the round has no
 host step: each rank's message goes to every rank over the engine's group of all its
-members (``supports`` None; ``DimsEngine`` passes that group as the line), so each rank is
-its own "host".
+members (``multihost.round_covers`` None; ``DimsEngine`` passes that group as the line),
+so each rank is its own "host".
 
 Every rank of a line reads the same rows, and every line sees the same rows (the ranks of a
 host share one status and one MAX), so every rank of the job decides the same: when every
@@ -199,16 +199,3 @@ def _failed(exc: DDLMismatchError) -> int:
     """The status of a host whose ranks' step raised ``exc``: a refusal among them, or
     different collectives."""
     return REFUSING if getattr(exc, "refused", False) else MISMATCH
-
-
-def supports(dims: list, size: int) -> tuple:
-    """(local engine or None, line group) when the round covers these dimensions (one
-    across hosts, after at most one inside them), else None."""
-    from ..algorithms.dims import GroupDim, ShmDim
-
-    if len(dims) == 1 and isinstance(dims[0], GroupDim) and dims[0].size == size:
-        return None, dims[0].group
-    if (len(dims) == 2 and isinstance(dims[0], ShmDim) and isinstance(dims[1], GroupDim)
-            and dims[0].size * dims[1].size == size):
-        return dims[0].engine, dims[1].group
-    return None

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import cost
+from .. import cost, failures
 from .. import grid as gridmod
 from .. import timeline as _tl
 from ..algorithms.dims import GroupDim, ShmDim
@@ -45,6 +45,17 @@ from .shm_meta import (
 _CORE_KEY = 1 << 40
 
 
+def round_covers(dims: list, size: int) -> tuple | None:
+    """(local engine or None, line group) when the identity round covers these dimensions
+    (one across hosts, after at most one inside them), else None."""
+    if len(dims) == 1 and isinstance(dims[0], GroupDim) and dims[0].size == size:
+        return None, dims[0].group
+    if (len(dims) == 2 and isinstance(dims[0], ShmDim) and isinstance(dims[1], GroupDim)
+            and dims[0].size * dims[1].size == size):
+        return dims[0].engine, dims[1].group
+    return None
+
+
 class DimsEngine:
     """Collectives of ``size`` ranks: allreduce over ``multidim``, the rest over ``group``
     (a network group of every member, which this engine owns)."""
@@ -70,7 +81,7 @@ class DimsEngine:
         # dearer but as safe.
         self.armed: Fold | None = None
         self._core_folds: dict[tuple, Fold] = {}
-        found = identity_round.supports(multidim.dims, size)
+        found = round_covers(multidim.dims, size)
         if found is None and host_line is not None:
             found = (multidim.dims[0].engine, host_line)
         found = found or (None, group)
@@ -288,7 +299,7 @@ class MultiHostEngine(DimsEngine):
                                          cost.link_for(d.index, transport)))
             world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
             line = gridmod.host_line(self.grid, world.rank, world.local_size)
-            if line is not None and identity_round.supports(dims, world.size) is None:
+            if line is not None and round_covers(dims, world.size) is None:
                 members, position = line
                 self._host_line = self.ctx.group(f"idline{members[0]}", members, position)
             for dim in dims:
@@ -306,6 +317,9 @@ class MultiHostEngine(DimsEngine):
                          host_line=self._host_line)
 
     def close(self) -> None:
+        why = failures.leaving()
+        if why and isinstance(self.ctx, GlooContext):  # before the groups close
+            self.ctx.announce_leaving(why)
         try:
             try:
                 super().close()

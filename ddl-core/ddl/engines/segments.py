@@ -1,43 +1,51 @@
 """Job-scoped shared-memory segments: naming, creation, mapping and cleanup.
 
-Names are ``ddl-<job id>-h<host index>-<what>`` under /dev/shm. The host index comes from
-the launcher's host assignment, never from the hostname: network namespaces on one machine
-share /dev/shm, so two "hosts" of a test job must not collide.
+Names are ``ddl-<job id>-h<host index>-<what>``, followed by ``-k<key>`` when the job has a
+secret (a key other users cannot compute: ``orphans.segment_name``, the one rule). The host
+index comes from the launcher's host assignment, never from the hostname: network
+namespaces on one machine share /dev/shm, so two "hosts" of a test job must not collide.
 
 Segments are created with O_EXCL and mode 0600 through ``os.open`` rather than
 ``multiprocessing.shared_memory``: on Python 3.11 an unrelated process's resource tracker
-may unlink a SharedMemory it has seen. Names are predictable, so anybody could plant a file
-under one first: a segment is opened only when it is a regular file (not a link) owned by
-our uid with mode 0600, and every header carries the job's token (engines/shm.py).
-``cleanup_job`` is what the launcher (or a person) calls after a crash.
+may unlink a SharedMemory it has seen. Without a secret names are predictable, so anybody
+could plant a file under one first: a segment is opened only when it is a regular file (not
+a link) owned by our uid with mode 0600, and every segment carries the job's token at
+``TOKEN_OFFSET`` from the moment it is made. ``cleanup_job`` is what the launcher (or a
+person) calls after a crash: it removes only what is provably the job's (``orphans.py``).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import stat
+import sys
 
 from ..errors import DDLConfigError, DDLShmError
-from .orphans import JOB_ID
+from . import orphans
+from .orphans import JOB_ID, TOKEN_OFFSET, JobCleanup
+from .orphans import segment_token as segment_token  # the job's mark, for its users here
 
 SHM_DIR = "/dev/shm"
+_log = logging.getLogger("ddl")
 
 
 def validate_job_id(job_id: str) -> str:
-    if not JOB_ID.match(job_id):
+    if not JOB_ID.fullmatch(job_id):
         raise DDLConfigError(
             f"job id {job_id!r} is invalid: use 1-64 characters from [A-Za-z0-9_.]"
         )
     return job_id
 
 
-def segment_name(job_id: str, host_index: int, what: str) -> str:
+def segment_name(job_id: str, host_index: int, what: str, secret: bytes | None = None) -> str:
+    """The name of one of the job's segments; keyed when the job has a secret."""
     validate_job_id(job_id)
     if host_index < 0:
         raise DDLConfigError(f"host index must be >= 0, got {host_index}")
-    return f"ddl-{job_id}-h{host_index}-{what}"
+    return orphans.segment_name(job_id, host_index, what, secret)
 
 
 def _path(name: str) -> str:
@@ -65,19 +73,10 @@ class SegmentExists(DDLShmError, FileExistsError):
     somebody planted)."""
 
 
-def _owner(st: os.stat_result) -> str:
-    try:
-        import pwd
-
-        return f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
-    except (ImportError, KeyError):
-        return f"uid {st.st_uid}"
-
-
 def _exists(path: str) -> SegmentExists:
     try:
         st = os.lstat(path)
-        who = f"owner {_owner(st)}, mode {stat.filemode(st.st_mode)}"
+        who = f"owner {orphans.owner(st)}, mode {stat.filemode(st.st_mode)}"
     except OSError:
         who = "gone again"
     return SegmentExists(
@@ -86,10 +85,12 @@ def _exists(path: str) -> SegmentExists:
     )
 
 
-def create(name: str, size: int) -> mmap.mmap:
-    """Create a new segment of ``size`` bytes, reserved up front so a small /dev/shm fails
-    here with a clear message instead of SIGBUS on first touch. ``SegmentExists`` if the
-    name is taken."""
+def create(name: str, size: int, token: int) -> mmap.mmap:
+    """Create a new segment of ``size`` bytes (at least ``TOKEN_OFFSET + 8``) that carries
+    the job's ``token`` (``segment_token``) from its first moment, so that a cleanup can tell
+    it is the job's even when its maker dies while it reserves the rest. The space is
+    reserved up front so a small /dev/shm fails here with a clear message instead of SIGBUS
+    on first touch. ``SegmentExists`` if the name is taken."""
     path = _path(name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -98,6 +99,7 @@ def create(name: str, size: int) -> mmap.mmap:
     except OSError as exc:
         raise DDLShmError(f"cannot create shared memory {path}: {exc}") from exc
     try:
+        os.pwrite(fd, orphans.token_bytes(token), TOKEN_OFFSET)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
@@ -114,6 +116,11 @@ def create(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def carries(mm: mmap.mmap, token: int) -> bool:
+    """Whether the mapped segment ``mm`` carries the job's ``token``."""
+    return mm[TOKEN_OFFSET : TOKEN_OFFSET + 8] == orphans.token_bytes(token)
+
+
 def check_owned(path: str, st: os.stat_result) -> None:
     """Refuse a segment that is not a regular file of ours with mode 0600: a file planted
     under a predictable name by another user must never be joined."""
@@ -121,7 +128,7 @@ def check_owned(path: str, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         problem = "is not a regular file"
     elif st.st_uid != os.geteuid():
-        problem = f"belongs to {_owner(st)}, not to this job's user (uid {os.geteuid()})"
+        problem = f"belongs to {orphans.owner(st)}, not to this job's user (uid {os.geteuid()})"
     elif stat.S_IMODE(st.st_mode) != 0o600:
         problem = f"has mode {stat.filemode(st.st_mode)}, not -rw-------"
     if problem:
@@ -168,34 +175,27 @@ def unlink(name: str) -> bool:
 
 
 def list_job(job_id: str, host_index: int | None = None) -> list[str]:
-    validate_job_id(job_id)
-    prefix = f"ddl-{job_id}-h" if host_index is None else f"ddl-{job_id}-h{host_index}-"
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    out = []
-    for n in names:
-        if not n.startswith(prefix):
-            continue
-        if host_index is None:
-            # "ddl-<job>-h<digits>-..." only: job "a" must not match job "a.b"'s segments.
-            rest = n[len(prefix):]
-            digits = rest.split("-", 1)[0]
-            if not digits.isdigit():
-                continue
-        out.append(n)
-    return sorted(out)
+    """Every name of the job's (on one host index, or all), whoever's files they are."""
+    return orphans.job_names(validate_job_id(job_id), host_index, SHM_DIR)
 
 
-def cleanup_job(job_id: str, host_index: int | None = None) -> list[str]:
-    """Remove every segment of a job (on one host index, or all). Safe to call twice and
-    while ranks still run: mapped segments stay valid until unmapped."""
-    removed = []
-    for n in list_job(job_id, host_index):
-        if unlink(n):
-            removed.append(n)
-    return removed
+def cleanup_job(job_id: str, host_index: int | None = None, secret: bytes | None = None
+                ) -> list[str]:
+    """Remove the job's segments (on one host index, or all): only those provably its
+    (``orphans.remove_job``: our uid, mode 0600, the job's token, and its key where the job
+    has a ``secret``); what else is under its names is left alone and logged in one line.
+    The names removed. Safe to call twice and while ranks still run: mapped segments stay
+    valid until unmapped."""
+    result = sweep_job(job_id, host_index, secret)
+    if line := result.left_line(SHM_DIR):
+        _log.warning("[ddl] %s", line)
+    return list(result.removed)
+
+
+def sweep_job(job_id: str, host_index: int | None = None, secret: bytes | None = None
+              ) -> JobCleanup:
+    """``cleanup_job``, with what it left alone and why."""
+    return orphans.remove_job(validate_job_id(job_id), host_index, secret, SHM_DIR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,13 +203,19 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m ddl.engines.segments",
-        description="Remove the shared-memory segments of a PowerDDL job.",
+        description="Remove the shared-memory segments of a PowerDDL job (with the job's "
+                    "secret from DDL_JOB_SECRET or DDL_JOB_SECRET_FILE, if it had one).",
     )
     p.add_argument("job_id")
     p.add_argument("--host-index", type=int, default=None)
     args = p.parse_args(argv)
-    for n in cleanup_job(args.job_id, args.host_index):
+    from ..identity import job_secret
+
+    result = sweep_job(args.job_id, args.host_index, job_secret())  # DDL_JOB_SECRET(_FILE)
+    for n in result.removed:
         print(f"removed {SHM_DIR}/{n}")
+    if line := result.left_line(SHM_DIR):
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The shared-memory engine: collectives among the ranks of one host.
 
-Layout of the per-job control segment ``ddl-<job>-h<host>-ctl``::
+Layout of the per-job control segment ``ddl-<job>-h<host>-ctl`` (keyed, ``-k<key>``, when the
+job has a secret: segments.py)::
 
     header (4 KiB) | one 2 KiB control block per local rank | staging area
 
@@ -42,7 +43,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import identity
+from .. import failures, identity
+from ..config import SLOT_MIN, show_size
 from ..dtypes import DType
 from ..errors import (
     DDLConfigError,
@@ -88,6 +90,7 @@ from .shm_sync import (
     S_ABORTED,
     S_ATTACHED,
     S_CLOSED,
+    S_EXITING,
     S_NONE,
     W_CMA,
     W_CMA_OK,
@@ -99,6 +102,7 @@ from .shm_sync import (
     default_policy,
     pid_alive,
     weakly_ordered,
+    write_reason,
 )
 
 _log = logging.getLogger("ddl")
@@ -112,7 +116,29 @@ _HDR = 4096
 _BLOCK = 2048
 _W = _BLOCK // 8  # words per control block
 # header words
-H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY, H_TOKEN = range(7)
+H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY = range(6)
+H_TOKEN = segments.TOKEN_OFFSET // 8  # 6: where every segment carries the job's token
+
+
+def staging_slot(slot_bytes: int, max_bytes: int, ranks: int) -> int:
+    """Bytes of staging per rank and parity: DDL_SHM_SLOT_BYTES, capped so that the
+    ``2 x ranks`` slots fit in DDL_SHM_MAX_BYTES, in whole pages. DDLConfigError naming the
+    variable at fault when that leaves less than 64 KiB (ddlrun asks this before it starts
+    the ranks)."""
+    slot = min(slot_bytes, max_bytes // (2 * ranks)) // 4096 * 4096
+    if slot >= SLOT_MIN:
+        return slot
+    if slot_bytes < SLOT_MIN:
+        raise DDLConfigError(
+            f"DDL_SHM_SLOT_BYTES={show_size(slot_bytes)} is below the shared-memory engine's "
+            f"minimum staging of {show_size(SLOT_MIN)} per rank and parity: set it to "
+            f"{show_size(SLOT_MIN)} or more"
+        )
+    raise DDLConfigError(
+        f"DDL_SHM_MAX_BYTES={show_size(max_bytes)} leaves {slot} bytes of staging per rank "
+        f"and parity for {ranks} ranks on this host; it needs {show_size(SLOT_MIN)} each: "
+        f"set DDL_SHM_MAX_BYTES={show_size(2 * ranks * SLOT_MIN)} or more"
+    )
 
 
 def _parts(src: np.ndarray | Pieces, lo: int, hi: int) -> list:
@@ -197,16 +223,9 @@ class ShmEngine:
         self.global_rank = global_rank
         self.timeout = float(timeout)
         # marks the segment as this job's: a rank never joins a segment of another job
-        self._token = token if token is not None else identity.segment_token(
-            job_id, identity.job_secret())
-        slot = min(slot_bytes, max_bytes // (2 * n))
-        slot = slot // 4096 * 4096
-        if slot < 64 << 10:
-            raise DDLConfigError(
-                f"DDL_SHM_MAX_BYTES={max_bytes} leaves {slot} bytes of staging per rank for "
-                f"{n} ranks; it needs at least 64 KiB per rank and parity "
-                f"(DDL_SHM_MAX_BYTES >= {2 * n * (64 << 10)})"
-            )
+        secret = identity.job_secret()
+        self._token = token if token is not None else identity.segment_token(job_id, secret)
+        slot = staging_slot(slot_bytes, max_bytes, n)
         self.slot_bytes = slot
         self.small_bytes = min(small_bytes, slot)
         self.block_bytes = block_bytes
@@ -216,7 +235,7 @@ class ShmEngine:
         self._calls = 0
         self._wall = 0.0
         # scope tells apart the engines of one rank (one per grid line in a multi-host job)
-        self._name = segments.segment_name(job_id, host_index, f"{scope}ctl")
+        self._name = segments.segment_name(job_id, host_index, f"{scope}ctl", secret)
         self._ctl_bytes = _HDR + n * _BLOCK
         staging_off = -(-self._ctl_bytes // 4096) * 4096
         total = staging_off + 2 * n * slot
@@ -234,8 +253,10 @@ class ShmEngine:
         self._blk = [_HDR // 8 + i * _W for i in range(n)]
         self._my = self._blk[local_rank]
         self._peers = [i for i in range(n) if i != local_rank]
-        self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope)
-        self._peer_heaps = PeerHeaps(job_id, host_index, scope)
+        self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope, secret=secret,
+                         token=self._token)
+        self._peer_heaps = PeerHeaps(job_id, host_index, scope, secret=secret,
+                                     token=self._token)
         self._xmem = cma_mod.load() if cma and n > 1 else None
         # read by every peer at start (the cross-memory probe), published by _attach
         self._probe = np.array([cma_mod.probe_value(self._token, local_rank)], np.int64)
@@ -270,7 +291,7 @@ class ShmEngine:
         if self.rank == 0:
             while True:
                 try:
-                    mm = segments.create(self._name, total)
+                    mm = segments.create(self._name, total, self._token)
                     break
                 except FileExistsError:
                     self._remove_stale_or_fail()
@@ -406,6 +427,17 @@ class ShmEngine:
 
     def _publish_state(self, state: int) -> None:
         self._q[self._my + W_STATE] = state
+
+    def _publish_leaving(self) -> None:
+        """What a peer still waiting for this rank is told: that the program called
+        ``ddl.shutdown()`` (S_CLOSED), or that this process is exiting, and why (S_EXITING,
+        with the uncaught exception when there is one: ddl.failures)."""
+        why = failures.leaving()
+        if why is None:
+            self._publish_state(S_CLOSED)
+            return
+        write_reason(self._q, self._my, why)
+        self._publish_state(S_EXITING)
 
     # ------------------------------------------------------------- stepping
     def _me(self) -> str:
@@ -838,7 +870,7 @@ class ShmEngine:
             return
         try:
             if self._failed is None:
-                self._publish_state(S_CLOSED)
+                self._publish_leaving()
         finally:
             self.heap.close()
             self._peer_heaps.close()

@@ -34,8 +34,13 @@ W_SEQ, W_PID, W_STATE, W_GRANK, W_SLEEP = 0, 1, 2, 3, 4
 # cross-memory attach (engines/cma.py): the address of this rank's probe word, and whether
 # it read every peer's (1) or not (2)
 W_CMA, W_CMA_OK = 5, 6
-# the state word
-S_NONE, S_ATTACHED, S_ABORTED, S_CLOSED = 0, 1, 2, 3
+# the state word; S_EXITING: the rank's process is leaving (its script ended, or an uncaught
+# exception ends it: ddl.failures), not its program's own ddl.shutdown() (S_CLOSED)
+S_NONE, S_ATTACHED, S_ABORTED, S_CLOSED, S_EXITING = 0, 1, 2, 3, 4
+# why an S_EXITING rank leaves: its length in bytes, then the UTF-8 text (the last words of
+# the control block, after the call-identity records of shm_meta)
+W_REASON = 240
+REASON_BYTES = 8 * 15
 # wait policy -> (polls before yielding, yields before sleeping on the futex). spin: every
 # rank has a core; yield: ranks outnumber cores, give it away at once; futex: sleep at once.
 POLICIES = {"spin": (2000, 64), "yield": (0, 64), "futex": (0, 2)}
@@ -65,6 +70,28 @@ def pid_alive(pid: int) -> bool:
         return False
     except (FileNotFoundError, IndexError):
         return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
+
+
+def write_reason(q: memoryview, block: int, text: str) -> None:
+    """Put why this rank leaves into its control block (``block``: its first word), cut to
+    ``REASON_BYTES`` at a character boundary; written before the state word says
+    S_EXITING."""
+    data = text.encode("utf-8", "replace")[:REASON_BYTES].decode("utf-8", "ignore").encode()
+    padded = data.ljust(REASON_BYTES, b"\0")
+    for i in range(REASON_BYTES // 8):
+        q[block + W_REASON + 1 + i] = int.from_bytes(padded[8 * i : 8 * i + 8], "little",
+                                                     signed=True)
+    q[block + W_REASON] = len(data)
+
+
+def read_reason(q: memoryview, block: int) -> str:
+    """What ``write_reason`` put into ``block``'s words ("" when nothing)."""
+    n = q[block + W_REASON]
+    if not 0 < n <= REASON_BYTES:
+        return ""
+    raw = b"".join(q[block + W_REASON + 1 + i].to_bytes(8, "little", signed=True)
+                   for i in range(REASON_BYTES // 8))
+    return raw[:n].decode("utf-8", "replace")
 
 
 def weakly_ordered() -> bool:
@@ -262,6 +289,10 @@ class Stepper:
                 f"{self._me}: {peer_name} called ddl.shutdown() while this rank waits in "
                 f"{describe(what)}"
             )
+        if state == S_EXITING:
+            why = read_reason(self._q, b) or "no exception: its script ended or called exit()"
+            raise DDLPeerError(f"{self._me}: {peer_name}'s process is exiting ({why}) while "
+                               f"this rank waits in {describe(what)}")
         pid = self._pid[peer]
         if not pid_alive(pid):
             raise DDLPeerError(f"{self._me}: {peer_name} (pid {pid}) died during {describe(what)}")

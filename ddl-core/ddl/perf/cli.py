@@ -328,12 +328,11 @@ def _main(argv: list[str] | None) -> int:
 
         return plot_main(args)
     if args.markdown:
-        print("| variable | default | meaning |\n|---|---|---|")
-        for name, default, doc in config.describe():
-            print(f"| `{name}` | {default or '-'} | {doc} |")
+        print(config.markdown())
         return 0
-    for name, default, doc in config.describe():
-        print(f"{name:22} default={default!s:10} {doc}")
+    for row in config.describe():
+        allowed = f" allowed={row.allowed}" if row.allowed else ""
+        print(f"{row.name:22} default={row.default:10} {row.doc}{allowed}")
     return 0
 
 

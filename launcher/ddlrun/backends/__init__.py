@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..events import Emit, Stuck
+from ..failures import FailureRecord
 from ..output import OutputSink
 from ..plan import JobPlan
 
@@ -70,6 +71,11 @@ class Backend:
 
     def wait_output(self, rank: int, timeout: float) -> None:
         """Wait, at most ``timeout``, until a rank's output has all arrived."""
+
+    def records(self) -> dict[int, FailureRecord]:
+        """Failure records by rank that came apart from the ranks' exits (mpirun, srun:
+        read after the job); the other backends attach each to its ``RankExit``."""
+        return {}
 
 
 def check_path(value: str, what: str) -> str:

@@ -144,6 +144,7 @@ class MpirunBackend(SingleLauncherBackend):
     def start(self, plan: JobPlan, sink: OutputSink, emit: Emit) -> None:
         rankfile = self.rankfile(plan)
         write_rankfile(rankfile)
+        self.open_records(plan)
         self._folder = rankfile.folder
         if rankfile.lines:
             sink.note("rankfile: " + "; ".join(rankfile.lines))

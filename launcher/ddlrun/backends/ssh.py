@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..events import Emit, HostLost, RankExit, Stuck
+from ..events import Emit, HostLost, RankExit, StartFailed, Stuck
+from ..failures import FailureRecord
 from ..hosts import HostSpec
 from ..output import OutputSink
 from ..plan import HostPlan, JobPlan
@@ -86,9 +87,9 @@ class AgentBackend(Backend):
                      max_line=None)
             for h in plan.hosts
         )
-        for h in plan.hosts:
+        for h in plan.hosts:  # an agent that cannot take its spec in time is lost
             data = json.dumps(self.spec(plan, h), separators=(",", ":")) + "\n"
-            self.procs.write(h.index, data.encode())
+            self.procs.write(h.index, data.encode(), timeout=self.opts.start_timeout)
 
     def _on_line(self, host_index: int, stream: str, text: str) -> None:
         host = self.plan.hosts[host_index].host.name
@@ -110,14 +111,15 @@ class AgentBackend(Backend):
             with self._lock:
                 self.exited[host_index].add(rank)
             self.emit(RankExit(rank, host_index, int(msg["c"]), int(msg["p"]),
-                               _when(msg.get("w"))))
+                               _when(msg.get("w")), FailureRecord.from_json(msg.get("e"))))
         elif kind == "eof":
             with self._changed:
                 self._eof.add(int(msg["r"]))
                 self._changed.notify_all()
         elif kind == "stuck":
-            found = [Stuck(int(r), host_index, int(pid), str(state))
-                     for r, (pid, state) in dict(msg.get("s", {})).items()]
+            # [pid, state, starting] ([pid, state] from older agents)
+            found = [Stuck(int(r), host_index, int(v[0]), str(v[1]), bool(v[2:3] and v[2]))
+                     for r, v in dict(msg.get("s", {})).items()]
             with self._changed:
                 self._stuck.setdefault(host_index, sorted(found, key=lambda s: s.rank))
                 self._changed.notify_all()
@@ -140,7 +142,9 @@ class AgentBackend(Backend):
             self._stuck.setdefault(ex.key, [])  # nobody left there to answer
             self._eof.update(r.rank for r in hp.ranks)
             self._changed.notify_all()
-        if missing > 0:
+        if ex.error is not None:  # the transport (ssh, blaunch) could not be exec'd
+            self.emit(StartFailed(ex.error.filename, ex.error.strerror, ex.time))
+        elif missing > 0:
             why = self.last_err.get(ex.key) or f"connection exited with code {ex.code}"
             self.emit(HostLost(ex.key, ex.code, f"agent on {hp.host.name} ended: {why}",
                                ex.time))
@@ -151,13 +155,14 @@ class AgentBackend(Backend):
         procs = getattr(self, "procs", None)
         if procs is None:
             return []
+        deadline = time.monotonic() + timeout
         with self._lock:
             asked = [h.index for h in self.plan.hosts if h.index not in self._stuck]
         for index in asked:
-            if not procs.write(index, b'{"t":"stuck"}\n'):
+            left = max(0.0, deadline - time.monotonic())
+            if not procs.write(index, b'{"t":"stuck"}\n', timeout=left):
                 with self._lock:
                     self._stuck.setdefault(index, [])
-        deadline = time.monotonic() + timeout
         with self._changed:
             self._changed.wait_for(lambda: all(h.index in self._stuck for h in self.plan.hosts),
                                    max(0.0, deadline - time.monotonic()))
@@ -175,7 +180,7 @@ class AgentBackend(Backend):
             return
         stop = b'{"t":"stop"}\n'
         for key in procs.running():
-            procs.write(key, stop)
+            procs.write(key, stop, timeout=1.0)
         deadline = time.monotonic() + timeout + 2.0  # the agent's own grace, plus transit
         while procs.running() and time.monotonic() < deadline:
             time.sleep(0.05)

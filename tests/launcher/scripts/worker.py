@@ -63,10 +63,13 @@ def main() -> int:
         for i in range(int(sys.argv[3])):
             print(f"{rank}:{i}:" + "x" * 2000, flush=False)
         return 0
-    if mode == "shm":  # shm <marker> <failing rank>: create the job's segment, fail or sleep
-        path = f"/dev/shm/ddl-{os.environ['DDL_JOB_ID']}-h{os.environ['DDL_HOST_INDEX']}-r{rank}"
-        with open(path, "wb") as f:
-            f.write(b"x")
+    if mode == "shm":  # shm <marker> <failing rank>: create a segment of the job, fail or sleep
+        from ddl import identity
+        from ddl.engines import segments
+
+        job, secret = os.environ["DDL_JOB_ID"], identity.job_secret()
+        name = segments.segment_name(job, int(os.environ["DDL_HOST_INDEX"]), f"r{rank}", secret)
+        segments.create(name, 4096, segments.segment_token(job, secret)).close()
         print("ready", flush=True)
         if rank == int(sys.argv[3]):
             return 3
