@@ -44,6 +44,7 @@ log = logging.getLogger("ddl")
 HANDSHAKE_TIMEOUT = 10.0  # seconds a connection may take to prove the secret
 MAX_PENDING = 64  # connections allowed to be in their handshake at once
 REFUSE_DELAY = 0.2  # seconds before a wrong proof is hung up on: slows guessing down
+_ACCEPT_BATCH = 16  # connections accepted per round of the server's loop
 _REPLY_SLACK = 5.0  # how much longer than a blocking wait the client waits for the reply
 _MAX_FRAME = 1 << 30
 
@@ -355,7 +356,9 @@ class StoreServer:
 
     # ------------------------------------------------------------ connections
     def _accept(self) -> None:
-        while True:
+        # A bounded batch per round of events: under a flood of connections the backlog
+        # never empties, and the ranks' requests on open connections must still be served.
+        for _ in range(_ACCEPT_BATCH):
             try:
                 sock, _ = self._sock.accept()
             except BlockingIOError:

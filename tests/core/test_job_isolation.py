@@ -276,10 +276,20 @@ def test_hand_started_jobs_on_one_port_never_complete_with_each_others_ranks():
     assert failed, "the jobs collided every time: some ranks must have failed"
 
 
+def _listening(port: int) -> bool:
+    """Whether something listens on ``port`` (read from /proc: connecting to a port nobody
+    listens on can make the kernel connect the socket to itself, which squats the port)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(r[1].endswith(f":{port:04X}") and r[3] == "0A" for r in rows)
+
+
 def _flood(port: int, stop: threading.Event, held: int = 225) -> None:
-    """One flooding thread: connect to the store over and over, keep the last ``held``
-    connections open (4 threads: up to 900), say nothing."""
+    """One flooding thread: once the store listens, connect to it over and over, keep the
+    last ``held`` connections open (4 threads: up to 900), say nothing."""
     conns: deque = deque()
+    while not _listening(port) and not stop.is_set():
+        time.sleep(0.005)
     try:
         while not stop.is_set():
             try:
