@@ -4,10 +4,11 @@ second 0 or 0-STAGGER s after the first: how many complete with a stranger's dat
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
+
+from ddlrun.preflight import pick_free_pair as free_port  # P and P+1 free
 
 PY = sys.executable
 MIX = (
@@ -16,13 +17,6 @@ MIX = (
     "print('RESULT', out, flush=True); ddl.shutdown()"
 )
 
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def start(val, port, settle):

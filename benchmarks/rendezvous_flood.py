@@ -3,10 +3,11 @@ another uid (nobody, its own process: 4 threads cycling up to 900 connections), 
 asked. Run as root from the repository: .venv/bin/python benchmarks/rendezvous_flood.py"""
 
 import os
-import socket
 import subprocess
 import sys
 import time
+
+from ddlrun.preflight import pick_free_pair as free_port  # P and P+1 free
 
 PY = sys.executable
 MIX = (
@@ -39,13 +40,6 @@ while any(t.is_alive() for t in ts):
     print(count[0], flush=True); time.sleep(0.1)
 """
 
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 ok, delays, conns = 0, [], []
