@@ -351,3 +351,30 @@ def test_a_second_job_on_the_same_port_fails_and_the_first_is_untouched():
     for (code, out, err), why in zip((_finish(p, 60) for p in second), whys):
         assert code == 1 and "RESULT" not in out
         assert why in err, err[-3000:]
+
+
+def test_a_rank_that_maps_the_segment_while_it_is_being_sized_maps_it_again():
+    """``segments.create`` writes the token before it reserves the rest, so a joining rank
+    can map a 56-byte file whose header local rank 0 then completes; it must map the
+    sized file again, never use the short mapping (it did: ValueError on 1 run in ~900)."""
+    from ddl import identity
+    from ddl.engines import shm
+    from ddl.errors import DDLTimeoutError
+
+    job, token = new_job_id("sizing"), 4242
+    slot = shm.staging_slot(64 << 10, 32 << 20, 2)
+    name = segments.segment_name(job, 0, "ctl", identity.job_secret())
+    words = [shm._MAGIC, shm._LAYOUT, 2, slot, os.getpid(), 1, token]
+    path = _plant(name, os.geteuid(), 0o600, struct.pack("<7q", *words))
+    total = -(-(shm._HDR + 2 * shm._BLOCK) // 4096) * 4096 + 2 * 2 * slot
+    grow = threading.Timer(0.3, os.truncate, (path, total))
+    grow.start()
+    try:
+        # local rank 0 never attaches (its block stays empty): the wait for it is what ends
+        with pytest.raises(DDLTimeoutError, match="local rank 0 did not attach"):
+            shm.ShmEngine(job_id=job, host_index=0, local_rank=1, local_size=2,
+                          global_rank=1, slot_bytes=64 << 10, init_timeout=1.5, token=token)
+    finally:
+        grow.join()
+        segments.unlink(name)
+        segments.cleanup_job(job)

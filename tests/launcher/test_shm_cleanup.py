@@ -309,12 +309,21 @@ def kill_trial(job: str, nranks: int = 4, heap_bytes: int | None = None) -> Kill
                                         "malloc"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)],
+                     daemon=True).start()
     out, deadline = "", time.monotonic() + 60
     try:
         while out.count(" ready\n") < nranks:
-            out += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{nranks} ranks not ready within 60 s: {out!r}") from None
+            if line is None:
+                proc.wait(timeout=10)
+                raise AssertionError(f"the job ended before its ranks were ready (exit "
+                                     f"{proc.returncode}): {proc.stderr.read()[-2000:]}")
+            out += line
         janitor = janitor_of(proc.pid)
         assert janitor is not None, "ddlrun started no janitor"
         procs = [(int(m.group(1)), m.group(2))

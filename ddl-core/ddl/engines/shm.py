@@ -329,8 +329,12 @@ class ShmEngine:
                             "have the same LOCAL_WORLD_SIZE and DDL_SHM_* settings?"
                         )
                     q.release()
-                    return mm
-                q.release()
+                    if len(mm) >= total:
+                        return mm
+                    # mapped between the token's write and the reservation of the rest
+                    # (segments.create): the file has its full size now, map it again
+                else:
+                    q.release()
                 mm.close()
             except (FileNotFoundError, ValueError):
                 if mm is not None:
