@@ -341,6 +341,15 @@ _VARS += [
     EnvVar("DDL_CYCLE_TIME", _number, 1.0,
            "milliseconds: gradients ready within one cycle share a fusion buffer "
            "(0: fuse by size only)", low=0.0, high=60_000.0, unit="ms"),
+    # Horovod's stall check, for named calls (matched by name): their names.
+    EnvVar("HOROVOD_STALL_CHECK_TIME_SECONDS", _number, 60.0,
+           "seconds a named call may wait for ranks that have not submitted it before "
+           "one warning names them and the call", low=0.0, high=1e9, unit="s"),
+    EnvVar("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", _number, 0.0,
+           "seconds after which such a stall fails the waiting named calls on every rank "
+           "with that list (0: never)", low=0.0, high=1e9, unit="s"),
+    EnvVar("HOROVOD_STALL_CHECK_DISABLE", _bool, False,
+           "1: no stall warning (the shutdown time still applies)"),
 ]
 
 

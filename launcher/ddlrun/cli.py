@@ -27,11 +27,11 @@ import re
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from . import check_build, version
 from .backends import LaunchOptions, get_backend, is_root
 from .backends.mpirun import parse_mpiargs
+from .config import Config
 from .errors import LaunchError, PreflightError, UsageError
 from .hosts import (
     HostSpec,
@@ -222,23 +222,6 @@ def parse_args(argv: Sequence[str] | None = None,
                parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     parser = parser or build_parser()
     return parser.parse_args(join_dash_values(parser, sys.argv[1:] if argv is None else argv))
-
-
-@dataclass(frozen=True)
-class Config:
-    request: Request
-    options: LaunchOptions
-    launcher: str
-    dry_run: bool = False
-    check: bool = False
-    cleanup: bool = False
-    preflight: bool = True
-    log_dir: str | None = None
-    timeout: float | None = None
-    master_port: int | None = None
-    job_id: str | None = None
-    verbose: bool = False
-    per_node: bool = False  # one ddlrun per node (--nnodes/--node-rank, torchrun-style)
 
 
 def _positive(value, name: str) -> None:

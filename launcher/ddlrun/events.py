@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .failures import FailureRecord
+
+
+def describe_code(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)

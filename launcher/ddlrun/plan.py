@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import envs
-from .errors import LaunchError, UsageError
+from . import core, envs
+from .core import validate_job_id
+from .errors import UsageError
 from .hosts import HostSpec, is_local
-from .shm import job_id_rule
 
 MASK = "<secret>"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -341,12 +341,9 @@ def default_mode() -> str:
     """The mode letters when ``-m`` gives none: the core's own default
     (``ddl.options.DEFAULT_MODE``, the one source), so a job under ddlrun and one started
     by hand run the same algorithm."""
-    try:
-        from ddl.options import DEFAULT_MODE
-    except ImportError:
-        raise LaunchError("ddlrun: cannot import ddl for its default mode: give the letters "
-                          "with -m/--mode (r, n, b, p), or reinstall powerddl") from None
-    return DEFAULT_MODE
+    options = core.require(core.options(), "its default mode",
+                           "give the letters with -m/--mode (r, n, b, p), or reinstall powerddl")
+    return options.DEFAULT_MODE
 
 
 def _check_mode(spec: str, given: str, world: int | None) -> None:
@@ -354,16 +351,14 @@ def _check_mode(spec: str, given: str, world: int | None) -> None:
     job's rank count (``ddl.options.parse_mode`` and ``grid_mismatch``, the one copy of
     each). Where ``import ddl`` fails the launcher cannot check it: the workers' ddl does,
     when it reads DDL_OPTIONS."""
-    try:
-        from ddl.errors import DDLConfigError
-        from ddl.options import grid_mismatch, parse_mode
-    except ImportError:
+    options, errors = core.options(), core.errors()
+    if options is None or errors is None:  # left to the ranks
         return
     try:
-        letters, shape = parse_mode(spec)
-    except DDLConfigError as e:
+        letters, shape = options.parse_mode(spec)
+    except errors.DDLConfigError as e:
         raise UsageError(f"--mode {given!r} is invalid: {e}") from None
-    why = grid_mismatch(letters, shape, world) if world is not None and shape else None
+    why = options.grid_mismatch(letters, shape, world) if world is not None and shape else None
     if why:
         raise UsageError(f"--mode {given!r}: {why}")
 
@@ -373,12 +368,6 @@ def validate_env_name(name: str) -> str:
     if not _ENV_NAME.fullmatch(name):
         raise UsageError(f"-x {name!r}: not a valid environment variable name")
     return name
-
-
-def validate_job_id(job_id: str) -> str:
-    if not job_id_rule().fullmatch(job_id):
-        raise UsageError(f"job id {job_id!r} is invalid: 1-64 characters of [A-Za-z0-9_.]")
-    return job_id
 
 
 def rank_env(

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from . import failures as blame
-from .backends import Backend
-from .events import Event, HostLost, JobExit, RankExit, StartFailed, Stuck
+from .backends.base import Backend
+from .events import Event, HostLost, JobExit, RankExit, StartFailed, Stuck, describe_code
 from .output import OutputSink
 from .plan import JobPlan
 from .procs import STARTING_STATES, STUCK_STATES
@@ -60,15 +60,6 @@ def signals_raise(sigs=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterat
 
 def exit_code(code: int) -> int:
     return 128 + (-code) if code < 0 else code
-
-
-def describe_code(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)

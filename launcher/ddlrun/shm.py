@@ -3,51 +3,34 @@ jobs (``sweep_orphans``), and the janitor that removes a job's segments when ddl
 is killed (``Janitor``).
 
 Which files are a job's, how its segments are named and what marks them all live in one
-standard-library file, ``ddl/engines/orphans.py``; ddlrun loads it by path where ``import
-ddl`` fails (``orphans_module``), so a host with a broken ddl still gets the same rules.
+standard-library file, ``ddl/engines/orphans.py``; ddlrun reaches it through ``core``,
+which loads it by path where ``import ddl`` fails, so a host with a broken ddl still gets
+the same rules.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from types import ModuleType
 
-from .errors import LaunchError
+from . import core
 
 JANITOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "janitor.py")
-
-
-def job_id_rule():
-    """The job-id rule, from its one copy in ``ddl/engines/orphans.py``. ddl and ddlrun ship
-    as one distribution: a missing core is a broken install."""
-    return _core().JOB_ID
-
-
-def _core() -> ModuleType:
-    core = orphans_module()
-    if core is None:
-        raise LaunchError("ddlrun: the ddl package is not installed next to ddlrun; "
-                          "reinstall powerddl")
-    return core
 
 
 def job_secret(env: Mapping[str, str]) -> bytes | None:
     """The secret ranks started with ``env`` have (``DDL_JOB_SECRET`` or the file
     ``DDL_JOB_SECRET_FILE``), read by ddl's own rule; None when there is none, or it cannot
     be read here (the ranks then fail on it themselves)."""
-    try:
-        from ddl.errors import DDLError
-        from ddl.identity import job_secret as read
-    except ImportError:
+    identity, errors = core.identity(), core.errors()
+    if identity is None or errors is None:  # left to the ranks
         return None
     try:
-        return read(env)
-    except DDLError:
+        return identity.job_secret(env)
+    except errors.DDLError:
         return None
 
 
@@ -62,56 +45,27 @@ def cleanup(job_id: str, host_index: int | None, secret: bytes | None = None,
     the job's (our uid, mode 0600, the job's token, and the name's key when the job has a
     ``secret``; without it, a keyed name only when no process maps it). What is left alone
     is reported in one line through ``note`` (default: stderr). The names removed."""
-    result = _core().remove_job(job_id, host_index, secret)
+    result = core.require_orphans().remove_job(job_id, host_index, secret)
     line = result.left_line()
     if line:
         (note or _stderr_note)(line)
     return list(result.removed)
 
 
-def orphans_module() -> ModuleType | None:
-    """``ddl.engines.orphans``; when ``import ddl`` fails here (numpy missing, a broken
-    install) the same file loaded on its own; None when ddl is not installed at all."""
-    try:
-        from ddl.engines import orphans
-    except ImportError:
-        pass
-    else:
-        return orphans
-    path = core_path()
-    if path is None:
-        return None
-    file_spec = importlib.util.spec_from_file_location("_ddlrun_orphans", path)
-    if file_spec is None or file_spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[file_spec.name] = module  # dataclasses look their module up there
-    file_spec.loader.exec_module(module)
-    return module
-
-
-def core_path() -> str | None:
-    """The path of ``ddl/engines/orphans.py``, found without running ddl's ``__init__``."""
-    try:
-        spec = importlib.util.find_spec("ddl")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "engines", "orphans.py")
-    return path if os.path.exists(path) else None
-
-
 def sweep_orphans() -> list[tuple[str, int]]:
     """Remove this user's orphaned segments on this host: (name, bytes) of each removed.
     Never fails: a sweep that cannot run must not stop a job from starting."""
-    orphans = orphans_module()
+    orphans = core.orphans()
     if orphans is None:
         return []
     try:
         return [(o.name, o.size) for o in orphans.remove(orphans.scan())]
     except OSError:
         return []
+
+
+orphans_module = core.orphans  # the names this module had before ``core``
+core_path = core.orphans_path
 
 
 def mib(nbytes: int) -> str:
@@ -138,10 +92,10 @@ class Janitor:
     def start(cls, job_id: str, host_indexes: Iterable[int], secret: bytes | None
               ) -> Janitor | None:
         """The janitor of a job, or None where it cannot run (no ddl core here, no fork)."""
-        core = core_path()
-        if core is None:
+        path = core.orphans_path()
+        if path is None:
             return None
-        spec = {"core": core, "job_id": job_id, "hosts": sorted(set(host_indexes)),
+        spec = {"core": path, "job_id": job_id, "hosts": sorted(set(host_indexes)),
                 "secret": secret.hex() if secret else None}
         try:
             proc = subprocess.Popen([sys.executable, "-I", "-S", JANITOR], stdin=subprocess.PIPE,

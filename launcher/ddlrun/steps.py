@@ -16,15 +16,15 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from . import envs
+from . import core, envs
 from .backends import Backend
 from .backends.ssh import AgentBackend, SshBackend
+from .config import Config
 from .errors import PreflightError, UsageError
 from .hosts import HostSpec, is_local
 from .output import OutputSink, log_paths
-from .plan import HostFacts, JobPlan, Request, describe, make_plan, validate_job_id
+from .plan import HostFacts, JobPlan, Request, describe, make_plan
 from .preflight import (
     ProbeResult,
     ProbeRuns,
@@ -39,9 +39,6 @@ from .preflight import (
 from .run import signals_raise, supervise
 from .shm import Janitor, cleanup, job_secret, mib, sweep_orphans
 
-if TYPE_CHECKING:
-    from .cli import Config
-
 PYTHON_NAME = re.compile(r"python[0-9.]*")
 
 
@@ -54,16 +51,8 @@ def new_job_id() -> str:
     return f"{time.strftime('%Y%m%d%H%M%S')}_{secrets.token_hex(4)}"
 
 
-def new_secret() -> str:
-    try:
-        from ddl.identity import new_secret as ddl_new_secret
-    except ImportError:  # ddl's rule, for a launcher host without a working ddl
-        return secrets.token_urlsafe(32)
-    return ddl_new_secret()
-
-
 def job_secret_env(request: Request, environ: Mapping[str, str],
-                   draw: Callable[[], str] = new_secret) -> dict[str, str]:
+                   draw: Callable[[], str] = core.new_secret) -> dict[str, str]:
     """The variables that carry the job's secret to every rank: the user's own
     (DDL_JOB_SECRET / DDL_JOB_SECRET_FILE in ddlrun's environment) passed on, none when
     ``-x`` already exports one, else a new secret."""
@@ -86,9 +75,8 @@ def ddl_env(cfg: Config, environ: Mapping[str, str]) -> dict[str, str]:
     """ddl's own variables (``ddl.config``'s registry) as the ranks will get them, from
     ``-x`` or ddlrun's environment, less those ddlrun sets itself. Empty where ``import
     ddl`` fails here: the workers' ddl then reads them."""
-    try:
-        from ddl import config
-    except ImportError:
+    config = core.config()
+    if config is None:  # left to the ranks
         return {}
     ours = set(envs.of_kind("rank", "torchrun", "horovodrun", "layout"))
     given = {name: _user_env_value(cfg, name, environ) for name in config.REGISTRY
@@ -101,22 +89,20 @@ def check_ddl_env(cfg: Config, environ: Mapping[str, str]) -> None:
     range), and the store port they leave: a bad value is one UsageError line here,
     before any host is probed, instead of a traceback from every rank's ``ddl.init()``."""
     given = ddl_env(cfg, environ)
-    if not given and not cfg.master_port:
-        return
-    from ddl import config
-    from ddl.errors import DDLConfigError
-
+    config, errors = core.config(), core.errors()
+    if (not given and not cfg.master_port) or config is None or errors is None:
+        return  # nothing to check, or left to the ranks (no ddl here)
     exported = {key for key, _ in cfg.request.env}
     for name in given:
         try:
             config.get(name, given)
-        except DDLConfigError as exc:
+        except errors.DDLConfigError as exc:
             where = "-x" if name in exported else "ddlrun's environment"
             raise UsageError(f"{exc}; the ranks would get it from {where}") from None
     if cfg.master_port:
         try:
             config.store_port(cfg.master_port, config.get(envs.DDL_PORT, given))
-        except DDLConfigError as exc:
+        except errors.DDLConfigError as exc:
             raise UsageError(f"--master-port {cfg.master_port}: {exc}") from None
 
 
@@ -129,14 +115,14 @@ def check_staging(cfg: Config, plan: JobPlan, environ: Mapping[str, str]) -> Non
     slot, area = "DDL_SHM_SLOT_BYTES", "DDL_SHM_MAX_BYTES"
     if len(plan.hosts) != 1 or cfg.per_node or not given.keys() & {slot, area}:
         return
-    from ddl import config
-    from ddl.engines.shm import staging_slot
-    from ddl.errors import DDLConfigError
-
+    # ``given`` is not empty: ddl imported (``ddl_env``)
+    config = core.require(core.config(), "the staging size")
+    shm_engine = core.require(core.shm_engine(), "the staging size")
+    errors = core.require(core.errors(), "the staging size")
     try:
-        staging_slot(config.get(slot, given), config.get(area, given),
-                     len(plan.hosts[0].ranks))
-    except DDLConfigError as exc:
+        shm_engine.staging_slot(config.get(slot, given), config.get(area, given),
+                                len(plan.hosts[0].ranks))
+    except errors.DDLConfigError as exc:
         raise UsageError(str(exc)) from None
 
 
@@ -144,18 +130,16 @@ def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) 
     """The ports rank 0's host will bind, and what each is for (for preflight messages).
     The values were checked (``check_ddl_env``)."""
     ports: dict[int, str] = {}
-    given = ddl_env(cfg, environ)
+    given = ddl_env(cfg, environ)  # not empty: ddl imported
+    config = core.config()
     store = None
     if given.get(envs.DDL_PORT):
-        from ddl.config import get
-
-        store = get(envs.DDL_PORT, given)
+        store = config.get(envs.DDL_PORT, given)
     if master_port:
         ports[master_port] = (f"MASTER_PORT {master_port} (torch's init_process_group binds "
                               "it)")
-        from ddl.config import store_port  # the core binds it: its rule
-
-        store = store_port(master_port, store)
+        if config is not None:  # the core binds it: its rule; without ddl, the ranks'
+            store = config.store_port(master_port, store)
     if store:
         ports.setdefault(store, f"ddl's store port {store} (DDL_PORT, default MASTER_PORT+1)")
     return ports
@@ -164,7 +148,7 @@ def job_ports(cfg: Config, master_port: int | None, environ: Mapping[str, str]) 
 def run_cleanup(job_id: str | None, sink: OutputSink) -> int:
     """``ddlrun --cleanup``: this host only (run it on each host of a killed job)."""
     if job_id:  # the job's secret, if it had one, from DDL_JOB_SECRET(_FILE) here
-        for name in cleanup(validate_job_id(job_id), None, job_secret(os.environ), sink.note):
+        for name in cleanup(core.validate_job_id(job_id), None, job_secret(os.environ), sink.note):
             print(f"removed /dev/shm/{name}", flush=True)
         return 0
     removed = sweep_orphans()

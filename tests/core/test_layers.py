@@ -1,6 +1,9 @@
-"""The core's layers (pyproject.toml's import-linter contracts) hold, imports inside
-functions included: the contracts are checked here so that CI fails when one breaks."""
+"""The layers (pyproject.toml's import-linter contracts: the core's, ddl-perf's, ddlrun's)
+hold, imports inside functions included: the contracts are checked here so that CI fails
+when one breaks. ddlrun and ddl.perf also have no import cycle at all, a module the
+contracts do not name included (``test_no_import_cycle``)."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -41,3 +44,89 @@ def test_a_broken_layer_is_reported(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert out.returncode != 0, out.stdout
     assert "ddl.timeline is not allowed to import ddl.api" in out.stdout, out.stdout
+
+
+# ------------------------------------------------------------------------ import cycles
+def import_graph(root: str, package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, from every import statement in the file
+    (inside functions and ``if TYPE_CHECKING`` too); a package's own ``__init__`` imported
+    by its submodules is no edge (Python runs it first anyway)."""
+    files = {}
+    for folder, _, names in os.walk(os.path.join(root, package.replace(".", os.sep))):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                files[module.removesuffix(".__init__")] = path
+
+    def targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        base = node.module or ""
+        if node.level:
+            parts = module.split(".")
+            if not files[module].endswith("__init__.py"):
+                parts = parts[:-1]
+            parts = parts[: len(parts) - (node.level - 1)]
+            base = ".".join([*parts, base] if base else parts)
+        return [base, *(f"{base}.{a.name}" for a in node.names)]
+
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module] |= {t for t in targets(module, node) if t in files
+                                  and t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("root,package", [("launcher", "ddlrun"), ("ddl-core", "ddl.perf")])
+def test_no_import_cycle(root, package):
+    graph = import_graph(os.path.join(ROOT, root), package)
+    assert len(graph) > 5, graph  # the package was found
+    assert cycles(graph) == []
+
+
+def test_a_cycle_through_a_function_level_import_is_reported(tmp_path):
+    """The check can fail: two modules that import each other, one of them at call time."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import g\n\n\ndef f():\n    return g\n")
+    (pkg / "b.py").write_text("def g():\n    from . import a\n    return a.f\n")
+    (pkg / "c.py").write_text("from pkg import a\n")
+    assert cycles(import_graph(str(tmp_path), "pkg")) == [["pkg.a", "pkg.b"]]

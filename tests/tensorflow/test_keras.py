@@ -203,7 +203,7 @@ def test_ranks_out_of_step_raise_ddl_errors_on_every_rank(case):
     for r in reps:
         assert r["raised"], r
         text = "\n".join(r["chain"])
-        assert "DDLMismatchError" in text and "ranks issued different collectives" in text
+        assert "DDLMismatchError" in text and "different collectives" in text
         assert r["seconds"] < 15, r["seconds"]  # found by negotiation, not by DDL_TIMEOUT
         if case == "shapes":  # raised inside the tf.function: a TF error with ddl's text
             assert r["is_tf_error"], r["type"]

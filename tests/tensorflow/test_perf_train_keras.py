@@ -15,7 +15,7 @@ import subprocess
 import pytest
 from procs import PY, run_ddlrun
 
-from ddl.perf import cli, models, scale, train, train_keras
+from ddl.perf import cli, models, scale, train, train_keras, train_result
 
 # Not importorskip: importing TensorFlow here would cost every collecting run seconds.
 if importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None:
@@ -99,7 +99,7 @@ def test_keras_document_names_the_framework_and_its_exchange():
                             batch=8, via="mwms", framework="keras")
     times = [train.RankTimes(rank=r, step=0.04, input=0.0, compute=0.03) for r in range(2)]
     doc = train.summarize(cfg, times, params=59_000, data_desc="synthetic", device="cpu")
-    assert doc["framework"] == "keras" and doc["how"] == train_keras.HOW
+    assert doc["framework"] == "keras" and doc["how"] == train_result.KERAS_HOW
     assert doc["throughput"]["total"] == pytest.approx(2 * 8 * 16 / 0.04)
     text = train.format_result(doc)
     assert "via mwms (tf.distribute.MultiWorkerMirroredStrategy (RING)" in text

@@ -55,13 +55,17 @@ def run_both(worker: str) -> dict[str, list[dict]]:
     return runs
 
 
-def test_lightning_fit_with_sync_dist_validation_on_ddl_equals_gloo():
+def test_lightning_fit_validate_test_and_resume_with_sync_dist_on_ddl_equals_gloo():
+    """fit, validate, test (sync_dist reductions of inference tensors, which the ddl backend
+    updates in place from its worker thread), a checkpoint and a resumed fit."""
     pytest.importorskip("lightning")
     runs = run_both("client_lightning.py")
     for backend, reps in runs.items():
         for r in reps:
             assert r["strategy"] == "DDPStrategy" and r["pg_backend"] == backend
-            assert r["steps"] == 16  # 128 samples / 2 ranks / batch 8, 2 epochs
+            assert r["fit_steps"] == 16  # 128 samples / 2 ranks / batch 8, 2 epochs
+            assert r["steps"] == 24  # resumed at step 16 for a third epoch
+            assert r["fit_digest"] not in (r["start"], r["digest"]), (backend, r)
             got, want = r["metrics"], r["expected"]
             # the mean of the per-rank means weighted by an int64 count (an integer AVG on
             # ddl, a SUM and a division on gloo): the whole validation set's loss
@@ -69,7 +73,17 @@ def test_lightning_fit_with_sync_dist_validation_on_ddl_equals_gloo():
             assert got["val_correct"] == want["val_correct"], (backend, r)  # int64, summed
             assert got["val_rank"] == want["val_rank"] == 0.5, (backend, r)  # int64, averaged
             assert math.isfinite(got["train_loss"])
-    assert runs["ddl"][0]["metrics"] == runs["gloo"][0]["metrics"]
+            # validate() with the same weights logs what the fit's last validation did
+            assert {k: r["validated"][k] for k in want} == {k: got[k] for k in want}, r
+            t, wt = r["tested"], r["expected_test"]
+            assert math.isclose(t["test_loss"], wt["test_loss"], rel_tol=1e-6), (backend, r)
+            assert t["test_correct"] == wt["test_correct"], (backend, r)
+            g, w = r["resumed_metrics"], r["expected_resumed"]
+            assert math.isclose(g["val_loss"], w["val_loss"], rel_tol=1e-6), (backend, r)
+            assert g["val_correct"] == w["val_correct"], (backend, r)
+    ddl_run, gloo_run = runs["ddl"][0], runs["gloo"][0]
+    for key in ("metrics", "validated", "tested", "resumed_metrics", "fit_digest"):
+        assert ddl_run[key] == gloo_run[key], key
 
 
 def test_accelerate_loop_on_a_ddl_process_group_made_first_equals_gloo():

@@ -48,7 +48,8 @@ LOCAL = ["bool_average", "bad_root", "bad_splits", "compression", "not_a_tensor"
          "async_bad_op"]
 # optimizer_sparse: one rank's gradient sparse, the others' dense: a sparse allreduce
 # against a dense one, which the exchange reports on every rank
-AGREED = ["dtype", "grouped_layout", "grouped_allgather_layout", "name", "model",
+# (two names on two ranks are no error: named calls are matched by name, test_torch_named)
+AGREED = ["dtype", "grouped_layout", "grouped_allgather_layout", "model",
           "optimizer_sparse"]
 OWN_ERROR = {"bool_average": "DDLConfigError", "bad_root": "DDLConfigError",
              "bad_splits": "DDLConfigError", "compression": "RuntimeError",
@@ -78,7 +79,6 @@ def test_a_failure_on_one_rank_raises_on_every_rank_at_once(job):
             assert f[case]["type"] == "DDLMismatchError", (rank, case, f[case])
         assert "Average is not defined for bool" in f["bool_average"]["msg"]
         assert f"root_rank {n} is outside" in f["bad_root"]["msg"]
-        assert "name='a'" in f["name"]["msg"] and "name='b'" in f["name"]["msg"]
         assert f"rank {victim}: hvd.grouped_allreduce(3 tensors" in f["grouped_layout"]["msg"]
         assert "broadcast_parameters(2 tensors: float32[4]" in f["model"]["msg"]
 
@@ -90,13 +90,14 @@ def test_calls_out_of_step_raise_then_every_result_is_right(job):
     for rank, r in enumerate(reps):
         o = r["out_of_step"]
         assert "error" not in o, o.get("error")
-        for case in ("raised_before", "duplicate_one_rank", "mismatch"):
+        for case in ("raised_before", "mismatch"):
             assert o[case] is not None and o[case]["seconds"] < FAST, (rank, case, o[case])
         dup = o["duplicate_one_rank"]
-        if rank == victim:
+        if rank == victim:  # a local ValueError, as in Horovod; the others never heard of it
             assert dup["type"] == "DDLConfigError" and "Duplicate name 'left'" in dup["msg"]
+            assert dup["value_error"] and dup["seconds"] < FAST
         else:
-            assert dup["type"] == "DDLMismatchError" and "Duplicate name" in dup["msg"], dup
+            assert dup is None
         assert o["left_over"] is None  # the async broadcast left over still completes
         assert o["checked"] == [True] * 20, o["checked"]
 

@@ -38,16 +38,25 @@ class NumpyOps:
 
     @staticmethod
     def scaled(t: np.ndarray, factor: float) -> np.ndarray:
-        """``factor * t`` as Horovod's ScaleBuffer computes it: an integer array is
-        multiplied in float64 and cast back (truncated toward zero), never promoted."""
+        """``factor * t`` as Horovod's ScaleBuffer (CPU) computes it: an integer array is
+        multiplied in float64 and cast back (truncated toward zero), never promoted; a
+        16-bit float one (float16, bfloat16) element by element in float32, by the factor
+        as a float32, rounded back once (numpy alone would round the factor to 16 bits
+        first: one unit in the last place off for some elements); float32 by the factor
+        as a float32, float64 by the factor itself."""
         if NumpyOps.integer(t):
             return (t.astype(np.float64) * factor).astype(t.dtype)
+        if t.dtype.itemsize == 2:
+            return (t.astype(np.float32) * np.float32(factor)).astype(t.dtype)
         return (t * factor).astype(t.dtype, copy=False)
 
     @staticmethod
     def scale_(t: np.ndarray, factor: float) -> None:
+        """:meth:`scaled`, into ``t``."""
         if NumpyOps.integer(t):
             np.copyto(t, t.astype(np.float64) * factor, casting="unsafe")
+        elif t.dtype.itemsize == 2:
+            np.copyto(t, t.astype(np.float32) * np.float32(factor), casting="unsafe")
         else:
             np.copyto(t, t * factor, casting="unsafe")
 
@@ -129,13 +138,16 @@ class TorchOps:
 
     @staticmethod
     def scaled(t: Any, factor: float) -> Any:
+        """As :meth:`NumpyOps.scaled`. torch multiplies a float16 or bfloat16 tensor by a
+        Python scalar in float32 already (its "opmath" type, the scalar converted once, on
+        the CPU and CUDA alike): Horovod's ScaleBuffer, bit for bit, with no copy."""
         if TorchOps.integer(t):
             return (t.to(_torch().float64) * factor).to(t.dtype)
         return t * factor
 
     @staticmethod
     def scale_(t: Any, factor: float) -> None:
-        with _torch().no_grad():
+        with torch_writes(t):
             if TorchOps.integer(t):
                 t.copy_(t.to(_torch().float64).mul_(factor))
             else:
@@ -143,7 +155,7 @@ class TorchOps:
 
     @staticmethod
     def copy_(dst: Any, src: Any) -> None:
-        with _torch().no_grad():
+        with torch_writes(dst):
             dst.copy_(src)
 
     @staticmethod
@@ -210,6 +222,19 @@ class TorchOps:
 
 def _torch() -> Any:
     return sys.modules["torch"]
+
+
+def torch_writes(*ts: Any) -> contextlib.AbstractContextManager:
+    """The mode for in-place updates of the caller's tensors ``ts``: ``no_grad``, or
+    ``inference_mode`` when one of them is an inference tensor, which may be updated in
+    place only inside it. The caller's own mode does not reach the thread that finishes
+    the work (ddl's worker): PyTorch Lightning reduces with ``sync_dist=True`` from
+    validation, under ``torch.inference_mode()``."""
+    torch = _torch()
+    for t in ts:
+        if t.is_inference():
+            return torch.inference_mode()
+    return torch.no_grad()
 
 
 def ops_for(x: Any) -> type[NumpyOps] | type[TorchOps]:

@@ -26,7 +26,8 @@ from . import adasum as _adasum
 from . import negotiate as ng
 from .arrays import NumpyOps, ops_for
 from .compression import Compressor, NoneCompressor, passthrough
-from .negotiate import Call, Planned, code_of, submit
+from .named import submit
+from .negotiate import Call, Planned, code_of
 from .process_sets import ProcessSet, global_process_set, scope
 
 
@@ -507,7 +508,8 @@ def alltoall_receive(table: np.ndarray, data: Any, tail: tuple[int, ...],
         off = start + int(table[i, :me].sum())
         pieces.append(data[off:off + int(table[i, me])])
         start += int(table[i].sum())
-    out = fw.reshape(fw.cat(pieces), (-1,) + tuple(tail))
+    # The row count, not -1: a row of no elements ([2, 0]) leaves -1 undetermined
+    out = fw.reshape(fw.cat(pieces), (int(table[:, me].sum()),) + tuple(tail))
     return out, fw.counts(table[:, me])
 
 

@@ -131,8 +131,19 @@ def _serve_grouped(kind: int, r: np.ndarray, rows: np.ndarray) -> None:
 def _serve_until_all_joined() -> int:
     joined_at, joined_ns = ng.count(), time.time_ns()
     mine = ng.joined_descriptor()
+    ng.global_state().joined = True  # a round of named calls meets it as a joined rank
+    try:
+        return _serve_and_agree(joined_at, joined_ns, mine)
+    finally:
+        ng.global_state().joined = False
+
+
+def _serve_and_agree(joined_at: int, joined_ns: int, mine: np.ndarray) -> int:
     while True:
         r = ng.exchange(mine.copy())
+        if ng.is_round(r):  # a round of named calls: this rank offers none
+            ng.meet_round(r)
+            continue
         if r[ng.KIND] == ng.SENTINEL:  # nobody is running any more
             break
         if ng.problem(r):

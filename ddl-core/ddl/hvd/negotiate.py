@@ -78,7 +78,10 @@ LOWEST = ROOT_HERE + 2  # -rank on a running rank: the MAX is minus the lowest r
 DIM0 = ROOT_HERE + 3  # this rank's own first dimension (allgather/alltoall)
 FAILED = ROOT_HERE + 4  # 1 on a rank whose call failed before its data moved
 PAYLOAD = ROOT_HERE + 5  # the root's payload length (broadcast_object), 0 elsewhere
-_LEN = ROOT_HERE + 6
+ROUNDING = ROOT_HERE + 6  # 1 on a rank whose step is a round of named calls (named.py)
+PENDING = ROOT_HERE + 7  # 1 on a rank in a round, or at a named call, that holds named calls
+NAMED = ROOT_HERE + 8  # 1 on a rank at a named call: differing names make the step a round
+_LEN = ROOT_HERE + 9
 _NEG_SEQ = SEQ + _AGREED
 SENTINEL = -(1 << 62)
 _INT64 = _dtypes.BY_NAME["int64"]
@@ -140,6 +143,17 @@ class _State:
         self.last_fold: tuple[Fold, np.ndarray] | None = None  # test of identity, no hash
         self.broken: BaseException | None = None  # the engine failed or a peer shut down
         self.lock = threading.Lock()
+        # named calls (named.py): submitted here and not yet run, by name (submission
+        # order); every named call whose name is not yet free again; the round queued on
+        # the worker and not yet started; whether this rank serves as a joined one
+        self.pending: dict[str, Any] = {}
+        self.by_word: dict[int, str] = {}
+        self.named: dict[str, Any] = {}
+        self.round_queued: Any = None
+        self.joined = False
+        self.tries = 0  # named calls queued on the fast path (named._try)
+        self.trying: Any = None  # the one whose step runs now
+        self.epoch = 0  # returns of the program from a wait (frees the names of done calls)
 
     @property
     def rank(self) -> int:
@@ -366,7 +380,8 @@ def _template(call: Call, failed: bool) -> np.ndarray:
             words[NUMEL] = int(np.prod(call.shape, dtype=np.int64))
     # roots are job ranks, as in Horovod (also for a process set)
     root_here = kind in ROOTED and call.arg == st.global_rank(rank)
-    info = [int(root_here), 0, -rank, dim0, int(failed), 0]
+    named = int(call.name is not None)
+    info = [int(root_here), 0, -rank, dim0, int(failed), 0, 0, named, named]
     d = np.array(words + [-w for w in words] + info, dtype=np.int64)
     if len(st.templates) > 4096:
         st.templates.clear()
@@ -384,6 +399,40 @@ def joined_descriptor() -> np.ndarray:
     d = np.full(_LEN, SENTINEL, dtype=np.int64)
     d[JOINED] = 1
     return d
+
+
+def round_descriptor(pending: bool) -> np.ndarray:
+    """A round of named calls (named.py): like a joined rank's, it never wins the MAX of a
+    word the calls agree on, so the ranks that issued a call still compare theirs; ROUNDING
+    tells every rank that no call can run in this step."""
+    d = np.full(_LEN, SENTINEL, dtype=np.int64)
+    d[ROUNDING], d[PENDING] = 1, int(pending)
+    return d
+
+
+class Retry(BaseException):  # noqa: N818 - an outcome, not a failure
+    """Some rank's step was a round of named calls: the call of this step did not run on
+    any rank; its rank issues it again (after the round's named calls, which may run
+    first). A BaseException, so that no handler of the call's own errors takes it."""
+
+
+# What a step that met a round does first, on every rank of the set: named.py registers it
+# (it runs the named calls every rank has submitted). negotiate knows nothing of names.
+on_round: Callable[[np.ndarray], None] | None = None
+
+
+def is_round(r: np.ndarray) -> bool:
+    """Whether the step whose result is ``r`` is a round: some rank's step was one, or some
+    rank was at a named call and the ranks' names differ (a name, or none, at one point of
+    the sequence: each named call then waits for its name in the pool)."""
+    return r[ROUNDING] == 1 or (r[NAMED] == 1 and r[NAME] != -r[NAME + _AGREED])
+
+
+def meet_round(r: np.ndarray) -> None:
+    """The step's result ``r`` showed a round (``r[ROUNDING] == 1``): take part in it."""
+    if on_round is None:
+        raise ddl.DDLError("a peer runs named calls by name, but ddl.hvd.named is not loaded")
+    on_round(r)
 
 
 # ------------------------------------------------------------------- the exchange
@@ -519,11 +568,10 @@ def _prepared_fold(call: Call, st: _State) -> tuple[Fold, np.ndarray]:
     return prepared
 
 
-def _run_folded(call: Call, seq: int, payload: int, data: Callable[[np.ndarray], Any],
+def _run_folded(call: Call, word: int, payload: int, data: Callable[[np.ndarray], Any],
                 engine: Any, st: _State) -> Any:
     """The call with its descriptor folded into its data's first step (module docstring).
     The fast path makes nothing: a cached fold, three words patched, one engine call."""
-    word = seq + st.skew
     if call is st.last_call:  # the same Call object again (collectives reuses them)
         fold, provisional = st.last_fold
     else:
@@ -560,7 +608,7 @@ def _run_folded(call: Call, seq: int, payload: int, data: Callable[[np.ndarray],
 def problem(r: np.ndarray) -> bool:
     """Whether the exchange found something the call cannot run with. Every rank decides
     from the same ``r``, so all take the error path together."""
-    if r[FAILED] == 1:
+    if r[FAILED] == 1 or is_round(r):
         return True
     if (r[:_AGREED] + r[_AGREED:2 * _AGREED]).any():  # max != min among running ranks
         return True
@@ -603,11 +651,11 @@ def _note(call: Call, failed: BaseException | None) -> str:
     return text
 
 
-def _negotiate(call: Call, seq: int, payload: int, failed: BaseException | None
+def _negotiate(call: Call, word: int, payload: int, failed: BaseException | None
                ) -> np.ndarray | None:
-    """A running rank's control step. Returns the exchange's result; raises the agreed
-    error, or returns None after the error path when ``failed`` (the caller raises it)."""
-    word = seq + _st().skew
+    """A running rank's control step (``word``: the call's sequence number on the wire).
+    Returns the exchange's result; raises the agreed error, or returns None after the error
+    path when ``failed`` (the caller raises it)."""
     r = exchange(_mine(call, failed is not None, word, payload))  # a fresh copy
     return _settle(call, word, payload, failed, r)
 
@@ -620,6 +668,9 @@ def _settle(call: Call, word: int, payload: int, failed: BaseException | None,
         if r[JOINED] == 1 and call.kind in GROUPED:
             share_layout(r, call.members())
         return r
+    if is_round(r):
+        meet_round(r)
+        raise Retry
     rows, notes = diagnose(_mine(call, failed is not None, word, payload),
                            _note(call, failed))
     if r[SEQ] != -r[SEQ + _AGREED]:
@@ -662,6 +713,12 @@ def error(rows: np.ndarray, notes: list[str], r: np.ndarray) -> ddl.DDLError:
         return ddl.DDLMismatchError(
             f"rank {me}: the call failed on {_ranks(failed)} before its data moved, so it "
             f"fails on every rank:\n{lines}"
+        )
+    if r[NAME] != 0 and r[NAME] == -r[NAME + _AGREED]:  # one name, different calls
+        return ddl.DDLMismatchError(
+            f"rank {me}: ranks submitted different collectives under one name (a name "
+            "stands for one call: the same kind, dtype, shape, op and root on every "
+            f"rank):\n{lines}"
         )
     if (r[:_AGREED] + r[_AGREED:2 * _AGREED]).any():
         return ddl.DDLMismatchError(
@@ -761,6 +818,7 @@ def observe(seq: int, st: _State | None = None) -> None:
     finishes in order). Names are freed by this, not by the work finishing, which depends on
     timing and would differ between ranks."""
     st = st or _state
+    st.epoch += 1
     if seq > st.observed:
         st.observed = seq
 
@@ -803,6 +861,16 @@ def _job(p: Planned, seq: int, st: _State, failure: BaseException | None = None
     return job
 
 
+def run_step(call: Call, data: Callable[[np.ndarray], Any], payload: int, word: int,
+             st: _State) -> Any:
+    """One attempt at a call on the worker: its exchange (folded where it can be), then its
+    data. ``Retry`` when a round of named calls met it (it ran nowhere)."""
+    engine = _may_fold(call, st)
+    if engine is not None:
+        return _run_folded(call, word, payload, data, engine, st)
+    return _engine(data, _negotiate(call, word, payload, None))
+
+
 def _run_job(call: Call, data: Callable[[np.ndarray], Any], before: Callable[[], None] | None,
              payload: int, seq: int, st: _State, failure: BaseException | None) -> Any:
     """One queued call on the worker: ``before``, the exchange (folded where it can be),
@@ -813,16 +881,17 @@ def _run_job(call: Call, data: Callable[[np.ndarray], Any], before: Callable[[],
             before()
         except Exception as exc:  # noqa: BLE001 - the peers must hear of any failure
             failed = exc
-    if failed is None:
-        engine = _may_fold(call, st)
-        if engine is not None:
-            return _run_folded(call, seq, payload, data, engine, st)
-        r = _negotiate(call, seq, payload, None)
-        return _engine(data, r)
-    try:
-        _negotiate(call, seq, payload, failed)
-    except Exception:  # noqa: BLE001, S110 - this rank raises its own error below
-        pass
+    while True:  # again after a round of named calls met the step (Retry)
+        try:
+            if failed is None:
+                return run_step(call, data, payload, seq + st.skew, st)
+            try:
+                _negotiate(call, seq + st.skew, payload, failed)
+            except Exception:  # noqa: BLE001, S110 - this rank raises its own error below
+                pass
+            break
+        except Retry:
+            continue
     if failure is None:
         raise failed  # ``before`` failed: whoever waits for the handle gets it
     return None  # planning failed: the caller has raised it already
@@ -856,7 +925,8 @@ def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: 
     try:
         out = _api.dispatch(job, label, False, st.group)
     finally:
-        if seq > st.observed:  # observe(seq, st)
+        st.epoch += 1  # observe(seq, st)
+        if seq > st.observed:
             st.observed = seq
     return p.finish(out) if p.finish is not None else out
 

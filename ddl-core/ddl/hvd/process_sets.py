@@ -74,6 +74,11 @@ def reset() -> None:
     _registry = _Registry()
 
 
+def by_id(process_set_id: int) -> ProcessSet | None:
+    """The registered set with this id (0: the global one), or None."""
+    return _registry.sets.get(int(process_set_id))
+
+
 def scope(process_set: Any) -> ng._State:
     """The protocol state a call with ``process_set=`` runs in; raises on this rank when
     the set is unknown here or does not include it (its members alone call it)."""

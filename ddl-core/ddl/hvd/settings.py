@@ -12,3 +12,15 @@ def fusion_threshold_bytes() -> int:
 
 def cycle_time_ms() -> float:
     return float(config.get("DDL_CYCLE_TIME"))
+
+
+def stall_check_s() -> float | None:
+    """Seconds before the stall warning of a named call; None when disabled."""
+    if config.get("HOROVOD_STALL_CHECK_DISABLE"):
+        return None
+    return float(config.get("HOROVOD_STALL_CHECK_TIME_SECONDS"))
+
+
+def stall_shutdown_s() -> float:
+    """Seconds before a stalled named call fails everywhere; 0: never."""
+    return float(config.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"))

@@ -47,7 +47,13 @@ from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.lifecycle import shutdown
 
 from . import callbacks
-from .optimizer import DistributedOptimizer, _args, distribute, is_distributed
+from .optimizer import (
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+    _args,
+    distribute,
+    is_distributed,
+)
 from .variables import broadcast_variables, model_variables, numpy_of
 
 
@@ -138,7 +144,8 @@ _no_xla_with_ddl()
 
 __all__ = [
     "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
-    "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum", "allgather",
+    "DistributedOptimizer", "Max", "Min", "PartialDistributedOptimizer", "ProcessSet",
+    "Product", "Sum", "allgather",
     "allgather_object", "allreduce", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size",
     "global_process_set", "init", "is_initialized", "load_model", "local_rank",

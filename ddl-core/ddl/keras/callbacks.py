@@ -8,7 +8,9 @@ writing one file at once corrupt it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -22,22 +24,54 @@ from .variables import broadcast_variables, model_variables
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Start every rank from ``root_rank``'s state: the model's variables at the start of
     training (when the model is built), and the model's and the optimizer's after the
-    first batch (Keras creates optimizer variables in the first step), as Horovod's."""
+    first batch (Keras creates optimizer variables in the first step), as Horovod's.
+    ``local_variables`` (a variable or several) are left alone: each rank keeps its own."""
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local_vars: dict[int, Any] = {}
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        elif not all(_is_variable(v) for v in local_variables):
+            raise ValueError("All local variables must be of tf.Variable type.")
+        for v in local_variables:
+            self.register_local_var(v)
+
+    def register_local_var(self, var: Any) -> None:
+        """``var`` is not broadcast: each rank keeps its own value."""
+        self._local_vars[_key(var)] = var
+
+    def _shared(self, variables: list) -> list:
+        return [v for v in variables if _key(v) not in self._local_vars]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.model.built:
-            broadcast_variables(self.model.variables, self.root_rank)
+            broadcast_variables(self._shared(self.model.variables), self.root_rank)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.broadcast_done:
             return
-        broadcast_variables(model_variables(self.model), self.root_rank)
+        broadcast_variables(self._shared(model_variables(self.model)), self.root_rank)
         self.broadcast_done = True
+
+
+def _is_variable(v: Any) -> bool:
+    if isinstance(v, keras.Variable):
+        return True
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(v, tf.Variable)
+
+
+def _key(v: Any) -> int:
+    """A Keras 3 variable and the backend variable it holds count as one."""
+    inner = getattr(v, "_value", None)
+    return id(inner) if isinstance(v, keras.Variable) and inner is not None and \
+        type(inner).__name__.endswith("Variable") else id(v)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .. import cost
+from .sizes import size_list
 
 DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
 
@@ -224,9 +225,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     import ddl
 
     from .. import DDLError, api
-    from .cli import _sizes
-
-    sizes = _sizes(args.sizes)
+    sizes = size_list(args.sizes)
     if len(set(sizes)) < 2 or args.iters < 1:
         print("ddl-perf calibrate: give two or more --sizes and -n >= 1", file=sys.stderr)
         return 2

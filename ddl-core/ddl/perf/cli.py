@@ -11,6 +11,7 @@ import sys
 
 from .. import config, topology
 from .ddlrun_job import add_launch_arguments
+from .sizes import size_arg as _size
 
 COLLECTIVE_HELP = {
     "allreduce": "allreduce time and busbw (nccl-tests' all_reduce_perf)",
@@ -23,19 +24,6 @@ ENGINE_CHOICES = {  # --engine: what ddl runs, through the variables ddl.init re
     "auto": {}, "gloo": {"DDL_TRANSPORT": "gloo"}, "mpi": {"DDL_TRANSPORT": "mpi"},
     "nccl": {"DDL_DEVICE_ENGINE": "nccl"}, "host": {"DDL_DEVICE_ENGINE": "host"},
 }
-
-
-def _sizes(text: str) -> list[int]:
-    return [config._size(s) for s in text.split(",") if s]
-
-
-def _size(text: str) -> int:
-    from .allreduce import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ranks(text: str) -> list[int]:

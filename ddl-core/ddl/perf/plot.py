@@ -133,7 +133,7 @@ def profile_series(doc: dict, where: str = "profile"
     timed); of a whole call, the simulator's (pipeline, identity round, call overhead)."""
     from .. import config, cost
     from ..errors import DDLConfigError
-    from .simulate import links_from_profile
+    from .allreduce_model import links_from_profile
 
     try:
         prof = cost.profile_from_json(doc, where)
@@ -148,7 +148,7 @@ def profile_series(doc: dict, where: str = "profile"
     calls = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
                    if r.get("dim") == "call")
     if calls:
-        from .simulate import allreduce_row
+        from .allreduce_model import allreduce_row
 
         sizes = [d.size for d in sorted(prof.dims, key=lambda d: d.index)]
         links = links_from_profile(prof, len(sizes))

@@ -84,15 +84,19 @@ from pathlib import Path
 from typing import Any
 
 from .models import MODELS, ModelSpec
+from .train_result import (  # noqa: F401  (re-exported: ``train.summarize`` and co)
+    HOW,
+    VIAS,
+    RankTimes,
+    TrainConfig,
+    format_result,
+    shares,
+    summarize,
+    write_json,
+)
+from .train_result import measure as _measure
 
 # ============================================================ ddl-perf train: throughput
-VIAS = {  # --via: how gradients are exchanged (torch; train_keras.VIAS for keras)
-    "optimizer": "ddl.torch.DistributedOptimizer",
-    "ddp": "DistributedDataParallel on the ddl backend",
-    "ddp-gloo": "DistributedDataParallel on torch's gloo",
-    "ddp-nccl": "DistributedDataParallel on torch's nccl (CUDA)",
-    "horovod": "Horovod's own DistributedOptimizer (horovod.torch, under horovodrun)",
-}
 # the vias that wrap the optimizer Horovod's way (synchronize / skip_synchronize)
 OPTIMIZER_VIAS = ("optimizer", "horovod")
 FRAMEWORKS = {"torch": "PyTorch (models.py)", "keras": "Keras 3 on TensorFlow (train_keras.py)"}
@@ -104,14 +108,6 @@ PRECISIONS = {
     "amp": "float32 weights, bfloat16 autocast (torch.autocast) for the math",
 }
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-HOW = (
-    "step = median wall time of a training step (input + forward + backward + exchange + "
-    "update); input = the part spent in the DataLoader's next() and the copy to the "
-    "device; compute = the same step with the exchange switched off (DDP.no_sync / "
-    "DistributedOptimizer.skip_synchronize), input excluded, in interleaved rounds; "
-    "comm = step - input - compute (exposed communication); wait = time in "
-    "synchronize() after backward (--via optimizer only)"
-)
 
 # The flags of `ddl-perf train`, one table: the parser is built from it and `ddl-perf
 # scale` rebuilds a train command line from it (dest, flag, argparse keywords).
@@ -154,22 +150,6 @@ TRAIN_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("image_size", "--image-size", dict(type=int, default=224,
                                         help="resnet50: image side in pixels (224)")),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    model: ModelSpec
-    batch: int
-    precision: str = "fp32"
-    via: str = "optimizer"
-    device: str = "auto"
-    steps: int = 20
-    warmup: int = 3
-    rounds: int = 2
-    data: str | None = None
-    num_workers: int = 2
-    json_path: str | None = None
-    framework: str = "torch"
 
 
 def add_train_arguments(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
@@ -359,101 +339,6 @@ def _batches(cfg: TrainConfig, rank: int, size: int) -> tuple[Iterator[Any], str
                        f"{cfg.num_workers} worker(s) per rank")
 
 
-# ------------------------------------------------------------------- measuring (pure)
-@dataclasses.dataclass(frozen=True)
-class RankTimes:
-    """One rank's medians in seconds (``wait`` only with --via optimizer)."""
-
-    rank: int
-    step: float
-    input: float
-    compute: float
-    wait: float | None = None
-
-
-def shares(step: float, input_s: float, compute: float) -> dict[str, float]:
-    """Fractions of a step: compute, exposed comm (the rest, never below 0), input."""
-    if step <= 0:
-        raise ValueError(f"step time {step}: must be > 0")
-    i = min(input_s / step, 1.0)
-    c = min(compute / step, 1.0 - i)  # a compute-only step a little slower: no comm left
-    return {"compute": c, "comm": max(0.0, 1.0 - c - i), "input": i}
-
-
-def summarize(cfg: TrainConfig, times: Sequence[RankTimes], params: int,
-              data_desc: str, device: str) -> dict:
-    """The result document (what --json writes, and what scale and plot read)."""
-    per_sample = cfg.model.units_per_sample
-    rows = []
-    for t in times:
-        rows.append({"rank": t.rank, "step_s": t.step, "input_s": t.input,
-                     "compute_s": t.compute, "wait_s": t.wait,
-                     "throughput": cfg.batch * per_sample / t.step,
-                     "shares": shares(t.step, t.input, t.compute)})
-    mean = {k: statistics.fmean(getattr(t, k) for t in times)
-            for k in ("step", "input", "compute")}
-    total = sum(r["throughput"] for r in rows)
-    keras = cfg.framework == "keras"
-    if keras:
-        from . import train_keras
-    return {
-        "tool": "ddl-perf", "kind": "train", "version": 1, "framework": cfg.framework,
-        "model": cfg.model.name, "model_config": dataclasses.asdict(cfg.model),
-        "describe": cfg.model.describe(), "params": params, "unit": cfg.model.unit,
-        "batch": cfg.batch, "units_per_sample": per_sample, "precision": cfg.precision,
-        "via": cfg.via, "device": device, "ranks": len(times), "data": data_desc,
-        "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
-        "per_rank": rows,
-        "throughput": {"total": total, "per_rank": total / len(times)},
-        "step_s": max(t.step for t in times),
-        "shares": shares(mean["step"], mean["input"], mean["compute"]),
-        "how": train_keras.HOW if keras else HOW,
-    }
-
-
-def write_json(cfg: TrainConfig, doc: dict) -> None:
-    """The document at ``--json`` (nothing without it)."""
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-
-
-def format_result(doc: dict) -> str:
-    unit = doc["unit"]
-    wait = all(r["wait_s"] is not None for r in doc["per_rank"])
-    framework = doc.get("framework", "torch")  # documents before Keras have none
-    if framework == "keras":
-        from .train_keras import VIAS as vias
-    else:
-        vias = VIAS
-    lines = [
-        f"# ddl-perf train: {doc['describe']}, {doc['params'] / 1e6:.3f} M parameters, "
-        f"batch {doc['batch']} per rank, {doc['precision']}, via {doc['via']} "
-        f"({vias[doc['via']]}), {doc['ranks']} rank(s) on {doc['device']}",
-        f"# data: {doc['data']}",
-        f"# {doc['rounds']} round(s) of {doc['warmup']} warm-up + {doc['steps']} timed steps, "
-        f"then {doc['steps']} compute-only; medians",
-        f"# {'rank':>4} {'step ms':>9} {unit + '/s':>12} {'compute %':>10} {'comm %':>7} "
-        f"{'input %':>8}" + (f" {'wait ms':>8}" if wait else ""),
-    ]
-    for r in doc["per_rank"]:
-        s = r["shares"]
-        lines.append(f"  {r['rank']:>4} {r['step_s'] * 1e3:>9.2f} {r['throughput']:>12.1f} "
-                     f"{100 * s['compute']:>10.1f} {100 * s['comm']:>7.1f} "
-                     f"{100 * s['input']:>8.1f}"
-                     + (f" {r['wait_s'] * 1e3:>8.2f}" if wait else ""))
-    s, t = doc["shares"], doc["throughput"]
-    lines += [
-        f"# total {t['total']:.1f} {unit}/s over {doc['ranks']} rank(s), {t['per_rank']:.1f} "
-        f"per rank; step {doc['step_s'] * 1e3:.2f} ms (slowest rank); compute "
-        f"{100 * s['compute']:.1f}%, exposed comm {100 * s['comm']:.1f}%, input "
-        f"{100 * s['input']:.1f}%",
-        f"# how: {doc['how']}",
-    ]
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------- measuring (ranks)
 def _alone_rendezvous() -> None:
     """One rank of our own: torch's process groups still want an address (this process)."""
@@ -584,31 +469,6 @@ class _Trainer:
             self.opt.step()
         self._sync()
         return time.perf_counter() - t0
-
-
-def _measure(cfg: TrainConfig, trainer: _Trainer, batches: Iterator[Any],
-             barrier: Callable[[], None]) -> RankTimes:
-    steps: list[float] = []
-    inputs: list[float] = []
-    waits: list[float] = []
-    computes: list[float] = []
-    batch = None
-    for _ in range(cfg.rounds):
-        barrier()
-        for _ in range(cfg.warmup):
-            trainer.step(batches)
-        for _ in range(cfg.steps):
-            step, input_s, wait, batch = trainer.step(batches)
-            steps.append(step)
-            inputs.append(input_s)
-            if wait is not None:
-                waits.append(wait)
-        barrier()
-        trainer.compute(*batch)  # untimed: the first step after the switch
-        computes += [trainer.compute(*batch) for _ in range(cfg.steps)]
-    med = statistics.median
-    return RankTimes(rank=-1, step=med(steps), input=med(inputs), compute=med(computes),
-                     wait=med(waits) if waits else None)
 
 
 def _ddl_torch() -> Any:

@@ -40,8 +40,8 @@ Precision (``POLICIES``): Keras dtype policies set before the model is built: ``
 A step: the batch taken (synthetic: one batch made once per rank, so input is ~0), the
 ``tf.function`` called and its loss fetched, which waits for the update (its stateful ops
 run before the function returns). Both functions are traced (run once, untimed) before
-the first round. Rounds, medians and shares are ``train._measure``'s and
-``train.summarize``'s, so the JSON is the same document with ``"framework": "keras"`` and
+the first round. Rounds, medians and shares are ``train_result.measure``'s and
+``summarize``'s, so the JSON is the same document with ``"framework": "keras"`` and
 ``ddl-perf scale --framework keras`` works unchanged. Threads: ``TF_NUM_INTRAOP_THREADS``
 when set; else ``OMP_NUM_THREADS`` (ddlrun sets it); else cores per rank - 1.
 """
@@ -56,23 +56,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .models import ModelSpec
+from .train_result import KERAS_VIAS as VIAS
+from .train_result import format_result, measure, summarize, write_json
 
-VIAS = {
-    "optimizer": "ddl.keras.DistributedOptimizer",
-    "mwms": "tf.distribute.MultiWorkerMirroredStrategy (RING), custom loop",
-    "alone": "no communication: every rank trains its own copy",
-}
 POLICIES = {"fp32": "float32", "bf16": "bfloat16", "amp": "mixed_bfloat16"}
 RESNET50_PARAMS = 25_636_712  # count_params(): with conv biases and batch-norm statistics
-HOW = (
-    "step = median wall time of a training step (batch taken, tf.function of forward + "
-    "backward + exchange + update called, loss fetched); input = the part spent taking "
-    "the batch; compute = the same step without the exchange (optimizer: a plain SGD on "
-    "the same model; mwms: a twin model outside the strategy; alone: the same step), "
-    "input excluded, in interleaved rounds; comm = step - input - compute (exposed "
-    "communication)"
-)
-
 
 def check(spec: ModelSpec, via: str, data: str | None) -> None:
     """The Keras-only checks of a request (ValueError naming the flag); imports nothing."""
@@ -214,7 +202,7 @@ def _train_step(tf: Any, keras: Any, spec: ModelSpec, model: Any, optimizer: Any
 
 class KerasTrainer:
     """The model(s) of ``cfg`` on this rank and two compiled steps, ``step`` (with the
-    exchange) and ``compute`` (without), shaped as ``train._Trainer`` for ``_measure``."""
+    exchange) and ``compute`` (without), shaped as ``train_result.Trainer`` for ``measure``."""
 
     def __init__(self, cfg: Any, hvd: Any, tf: Any, keras: Any, strategy: Any) -> None:
         spec = cfg.model
@@ -310,8 +298,6 @@ def train_keras(cfg: Any) -> int:
     import ddl
     import ddl.keras as hvd
 
-    from . import train
-
     if keras.backend.backend() != "tensorflow":
         raise ValueError(f"--framework keras measures Keras on TensorFlow; KERAS_BACKEND is "
                          f"{keras.backend.backend()!r}: set KERAS_BACKEND=tensorflow")
@@ -327,13 +313,13 @@ def train_keras(cfg: Any) -> int:
     batch = trainer.to_device(*synthetic_batch(cfg.model, cfg.batch, rank))
     trainer.trace(*batch)
     batches: Iterator[Any] = iter(lambda: batch, None)
-    mine = dataclasses.replace(train._measure(cfg, trainer, batches, ddl.barrier), rank=rank)
+    mine = dataclasses.replace(measure(cfg, trainer, batches, ddl.barrier), rank=rank)
     times = sorted(hvd.allgather_object(mine), key=lambda t: t.rank)
     if rank == 0:
         where = (f"{dev}, Keras {keras.__version__} on TensorFlow {tf.__version__}, "
                  f"{threads or 'default'} intra-op thread(s) per rank")
         desc = "synthetic (one batch made once per rank, on the device: input time is ~0)"
-        doc = train.summarize(cfg, times, trainer.params, desc, where)
-        print(train.format_result(doc), flush=True)
-        train.write_json(cfg, doc)
+        doc = summarize(cfg, times, trainer.params, desc, where)
+        print(format_result(doc), flush=True)
+        write_json(cfg, doc)
     return 0

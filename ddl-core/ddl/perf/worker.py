@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .allreduce import (
+from .collectives import (
     Counts,
     DType,
     count_wrong,
@@ -569,7 +569,7 @@ def make_engines(names: list[str], rank: int, size: int, device: str, collective
 def run(engine: str, sizes: list[int], reps: int, target: float, out: Any) -> int:
     """Per size: warm up, pick on rank 0 an iteration count that fills ``target`` seconds,
     time ``reps`` repetitions of in-place float32 sums (median), then check the result."""
-    from .allreduce import DTYPES
+    from .collectives import DTYPES
 
     harness = Harness()
     fp32 = DTYPES["float"]

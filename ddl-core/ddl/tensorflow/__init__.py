@@ -63,21 +63,29 @@ from ddl.hvd.process_sets import (
 )
 
 from .compression import Compression, Compressor
-from .gradient_tape import DistributedGradientTape
+from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
+    HorovodMismatchError,
     allgather,
     allgather_object,
     allreduce,
     alltoall,
     barrier,
     broadcast,
+    broadcast_,
+    broadcast_global_variables,
     broadcast_object,
     broadcast_variables,
     grouped_allgather,
     grouped_allreduce,
     grouped_reducescatter,
     join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
     reducescatter,
+    size_op,
 )
 
 
@@ -127,4 +135,7 @@ __all__ = [
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "reducescatter", "rank", "rocm_built",
     "shutdown", "size", "start_timeline", "stop_timeline",
+    "HorovodMismatchError", "PartialDistributedGradientTape", "broadcast_",
+    "broadcast_global_variables", "local_rank_op", "local_size_op",
+    "process_set_included_op", "rank_op", "size_op",
 ]

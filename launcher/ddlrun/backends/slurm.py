@@ -15,9 +15,9 @@ import signal
 import threading
 
 from ..errors import UsageError
+from ..events import describe_code
 from ..output import OutputSink
 from ..plan import JobPlan
-from ..run import describe_code
 from .single import SingleLauncherBackend
 
 # srun's own line for tasks that ended badly: "srun: error: node2: task 3: Exited with exit

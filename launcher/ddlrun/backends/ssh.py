@@ -22,7 +22,7 @@ from ..output import OutputSink
 from ..plan import HostPlan, JobPlan
 from ..procs import Exit, ProcessSet, ProcSpec
 from ..shm import mib
-from . import Backend, check_path
+from .base import Backend, check_path, ssh_options
 
 AGENT_MODULE = "ddlrun.agent"
 
@@ -206,12 +206,7 @@ class SshBackend(AgentBackend):
                 "-o", "ServerAliveCountMax=3"]
         timeout = connect_timeout or o.start_timeout
         argv += ["-o", f"ConnectTimeout={max(1, int(timeout))}"]
-        if o.ssh_config:
-            argv += ["-F", check_path(o.ssh_config, "--ssh-config")]
-        if o.ssh_port:
-            argv += ["-p", str(int(o.ssh_port))]
-        if o.ssh_identity:
-            argv += ["-i", check_path(o.ssh_identity, "--ssh-identity")]
+        argv += ssh_options(o)
         if host.user:
             argv += ["-l", host.user]
         # "--" ends ssh's options: the (validated) host can never be read as one.

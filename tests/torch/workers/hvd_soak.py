@@ -1,8 +1,9 @@
 """Soak: random Horovod-level collectives (kind, dtype, size, op, async or not) with errors
 injected on one rank at random points (a wrong op, dtype or shape, an op its dtype lacks, a
-duplicate name, a bad root or bad splits). Every rank draws the same sequence from one seed
-and computes what every rank contributes, so each result is checked against numpy; an
-injected call must raise on every rank, every other call must give the right result.
+bad root or bad splits), and duplicate names (on every rank: a local error). Every rank
+draws the same sequence from one seed and computes what every rank contributes, so each
+result is checked against numpy; an injected call must raise on every rank, every other call
+must give the right result.
 
 argv[1]: the number of calls. Prints one JSON line: calls, injected, raised, failed_at (the
 calls that raised here), wrong and unexpected (both must be empty).
@@ -100,7 +101,9 @@ def issue(c: dict):
     """Run call ``c``; returns (handle or result, check) where check(result) -> bool."""
     i, kind, dt, n, op = c["i"], c["kind"], c["dtype"], c["n"], c["op"]
     mine = bad(c)
-    name = c["dup"] if mine == "duplicate_name" else c["name"]
+    # A duplicate name is a local error that no other rank hears of (as in Horovod, where a
+    # call on the other ranks would then wait for its name): every rank makes it.
+    name = c["dup"] if c["inject"] == "duplicate_name" else c["name"]
     rop = OPS[op]
     if mine == "op":
         rop = hvd.Max if op != "max" else hvd.Sum
@@ -208,6 +211,10 @@ out = {"calls": 0, "injected": 0, "raised": 0, "failed_at": [], "wrong": [],
 # async calls not yet waited for, the same list on every rank (a call that raised here at
 # once stays in it, so every rank draws the same sequence)
 pending: list[tuple[dict, object, object, BaseException | None]] = []
+# names of async calls issued since this rank last returned from a wait: still in flight
+# (Horovod's rule: a name is free once its call ran; ddl's, once the program has also
+# returned from a wait since, the same on every rank), so using one again must raise
+fresh: list[str] = []
 
 
 def settle(c: dict, result=None, error: BaseException | None = None, check=None) -> None:
@@ -241,7 +248,7 @@ def flush() -> None:
 
 t0 = time.perf_counter()
 for i in range(CALLS):
-    c = draw(i, [p[0]["name"] for p in pending if p[0]["name"] and p[0]["inject"] is None])
+    c = draw(i, fresh)
     out["calls"] += 1
     out["injected"] += c["inject"] is not None
     h = check = raised = None
@@ -251,13 +258,18 @@ for i in range(CALLS):
         raised = e
     if c["async"]:
         pending.append((c, h, check, raised))
-    elif raised is not None:
-        settle(c, error=raised)
+        if c["name"] and c["inject"] is None:
+            fresh.append(c["name"])
     else:
-        settle(c, h, check=check)
+        fresh.clear()
+        if raised is not None:
+            settle(c, error=raised)
+        else:
+            settle(c, h, check=check)
     wait_now = rng.random() < 0.3
     if len(pending) > 4 or wait_now:
         flush()
+        fresh.clear()
 flush()
 out["seconds"] = round(time.perf_counter() - t0, 1)
 hvd.shutdown()
