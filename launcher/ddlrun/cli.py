@@ -29,9 +29,10 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from . import check_build, version
-from .backends import LaunchOptions, get_backend, is_root
+from .backends import Backend, LaunchOptions, get_backend, is_root
 from .backends.mpirun import parse_mpiargs
 from .config import Config
+from .core import validate_job_id
 from .errors import LaunchError, PreflightError, UsageError
 from .hosts import (
     HostSpec,
@@ -47,7 +48,7 @@ from .hosts import (
     slurm_hosts,
 )
 from .output import OutputSink, silence
-from .plan import Request, parse_rankfile, validate_env_name
+from .plan import JobPlan, Request, attempt_job_id, parse_rankfile, validate_env_name
 from .reaper import become_subreaper
 from .run import Interrupted, signals_raise
 from .steps import (
@@ -58,10 +59,12 @@ from .steps import (
     job_inputs,
     plan_job,
     preflight,
+    restart_inputs,
     run_cleanup,
 )
 
 LAUNCHERS = ("auto", "local", "ssh", "mpirun", "slurm", "lsf")
+MAX_RESTARTS = 1_000_000  # keeps every restart's job id (``attempt_job_id``) within 64
 IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")  # a Linux interface name (IFNAMSIZ - 1)
 
 
@@ -189,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for ssh/preflight per host (default 30)")
     r.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL at teardown (default 5)")
+    r.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", metavar="N",
+                   help="torchrun's: when a rank fails, stop every rank and start the whole "
+                   "job again, up to N times (default 0; local launcher only)")
     a("-v", "--verbose", action="store_true", help="print the plan and commands")
     a("--version", action="version", version=f"ddlrun (powerddl) {version()}")
     a("program", nargs=argparse.REMAINDER, help="program and its arguments")
@@ -258,6 +264,33 @@ def parse_endpoint(text: str) -> tuple[str, int | None]:
     if port is not None and not digits(port):
         raise UsageError(f"--rdzv-endpoint {text!r}: the port must be a number")
     return host.strip("[]"), int(port) if port is not None else None
+
+
+def parse_max_restarts(text: str | None, launcher: str, per_node: bool,
+                       job_id: str | None) -> int:
+    """``--max-restarts N``: a whole number 0 or more; above 0 only where ddlrun can
+    restart the job (the local launcher, one host), and with a ``--job-id`` that leaves
+    room for the restarts' ids (``attempt_job_id``)."""
+    if text is None:
+        return 0
+    if not digits(text.strip()) or int(text) > MAX_RESTARTS:
+        raise UsageError(f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, "
+                         f"got {text!r}")
+    count = int(text)
+    if count and (launcher != "local" or per_node):
+        where = ("one ddlrun per node (--nnodes/--node-rank)" if per_node
+                 else f"--launcher {launcher}")
+        raise UsageError(f"--max-restarts {count}: restarts are not supported with {where} "
+                         "yet, only with the local launcher (one host); drop --max-restarts")
+    if count and job_id is not None:
+        last = attempt_job_id(validate_job_id(job_id), count)
+        try:
+            validate_job_id(last)
+        except UsageError:
+            raise UsageError(f"--job-id {job_id!r} is too long for --max-restarts {count}: "
+                             f"the last restart's job id {last!r} must fit 64 characters"
+                             ) from None
+    return count
 
 
 def _same_host(a: str, b: str) -> bool:
@@ -394,6 +427,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
             raise UsageError(f"{name} must be a positive number of seconds, got {t:g}")
     if not (math.isfinite(args.grace) and args.grace >= 0):
         raise UsageError(f"--grace must be 0 or more seconds, got {args.grace:g}")
+    max_restarts = parse_max_restarts(args.max_restarts, launcher, per_node, args.job_id)
     request = Request(
         program=tuple(program),
         hosts=hosts,
@@ -444,6 +478,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         job_id=args.job_id,
         verbose=args.verbose,
         per_node=per_node,
+        max_restarts=max_restarts,
     )
 
 
@@ -499,7 +534,15 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
         plan = plan_job(cfg, facts, inputs, os.environ)
         check_staging(cfg, plan, os.environ)
         backend.validate(plan)
-        return act(cfg, plan, backend, sink)
+
+        def next_attempt(attempt: int) -> tuple[JobPlan, Backend]:  # --max-restarts
+            again = plan_job(cfg, facts, restart_inputs(cfg, inputs, attempt, os.environ),
+                             os.environ)
+            fresh = get_backend(cfg.launcher, cfg.options)
+            fresh.validate(again)
+            return again, fresh
+
+        return act(cfg, plan, backend, sink, next_attempt)
     except PreflightError as exc:
         if exc.table and not (args.check or args.verbose):
             print(exc.table, file=sys.stderr)

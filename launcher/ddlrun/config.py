@@ -24,3 +24,4 @@ class Config:
     job_id: str | None = None
     verbose: bool = False
     per_node: bool = False  # one ddlrun per node (--nnodes/--node-rank, torchrun-style)
+    max_restarts: int = 0  # --max-restarts: starts of the whole job after a failure

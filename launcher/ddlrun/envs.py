@@ -65,9 +65,14 @@ DDL_HOSTS = _v("DDL_HOSTS", "rank",
                "ddlrun per node)")
 
 # --------------------------------------------------------------- torchrun's worker env
-TORCHELASTIC_RUN_ID = _v("TORCHELASTIC_RUN_ID", "torchrun", "the job id ('none' without one)")
-TORCHELASTIC_RESTART_COUNT = _v("TORCHELASTIC_RESTART_COUNT", "torchrun", "always 0")
-TORCHELASTIC_MAX_RESTARTS = _v("TORCHELASTIC_MAX_RESTARTS", "torchrun", "always 0")
+TORCHELASTIC_RUN_ID = _v("TORCHELASTIC_RUN_ID", "torchrun",
+                         "the job id, the first attempt's with --max-restarts, the same in "
+                         "every attempt ('none' without one)")
+TORCHELASTIC_RESTART_COUNT = _v("TORCHELASTIC_RESTART_COUNT", "torchrun",
+                                "which start of the job this is: 0, then 1, 2, ... after each "
+                                "restart (--max-restarts)")
+TORCHELASTIC_MAX_RESTARTS = _v("TORCHELASTIC_MAX_RESTARTS", "torchrun",
+                               "--max-restarts (default 0)")
 GROUP_WORLD_SIZE = _v("GROUP_WORLD_SIZE", "torchrun", "number of hosts (nodes) in the job")
 ROLE_RANK = _v("ROLE_RANK", "torchrun", "same as RANK")
 ROLE_WORLD_SIZE = _v("ROLE_WORLD_SIZE", "torchrun", "same as WORLD_SIZE")

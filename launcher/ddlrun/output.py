@@ -140,6 +140,15 @@ class OutputSink:
                     self._files[(rank, stream)] = open(  # noqa: SIM115 - closed in close()
                         path, "w", encoding="utf-8", newline="")
 
+    def restart_logs(self, logs: Mapping[int, LogPaths]) -> None:
+        """A new start of the job (``--max-restarts``): the last one's logs are closed and
+        its lines forgotten (a failure report quotes the new attempt's), these opened."""
+        self.close()
+        with self._lock:
+            self._tails.clear()
+            self.logs.clear()
+        self.open_logs(logs)
+
     def line(self, rank: int, stream: str, text: str) -> None:
         """One line (or a piece of a long one) of a rank. The terminal gets it tagged and
         terminated; the log file gets exactly what the rank wrote."""

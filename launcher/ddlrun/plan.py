@@ -93,6 +93,24 @@ class HostGpus:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """Which start of the job this plan is (``--max-restarts``, torchrun's restarts):
+    ``number`` 0 first, then 1, 2, ... after each failure, up to ``max_restarts``; ``run_id``
+    the id every attempt shares (the first attempt's job id), the ranks'
+    TORCHELASTIC_RUN_ID, while each attempt has a job id of its own."""
+
+    number: int = 0
+    max_restarts: int = 0
+    run_id: str | None = None
+
+
+def attempt_job_id(run_id: str, number: int) -> str:
+    """The job id of attempt ``number``: the run's own first, then ``RUN.r1``, ``RUN.r2``,
+    ...: new shared-memory names and a new rendezvous each time, logs side by side."""
+    return run_id if number == 0 else f"{run_id}.r{number}"
+
+
+@dataclass(frozen=True)
 class RankSpec:
     rank: int
     local_rank: int
@@ -488,7 +506,8 @@ def _gpus_per_host(req: Request, facts: Mapping[str, HostFacts],
 def _common_env(req: Request, facts: Mapping[str, HostFacts], layout: _Layout,
                 hosts: Sequence[HostSpec], job_id: str, master_port: int,
                 options: str | None, user_env: Mapping[str, str],
-                secret_env: Mapping[str, str], export_job_id: bool) -> dict[str, str]:
+                secret_env: Mapping[str, str], export_job_id: bool,
+                attempt: Attempt) -> dict[str, str]:
     """The env every rank shares: the user's ``-x``, the secret, the contract's job-wide
     variables and those of --network-interface / --tcp."""
     common = dict(user_env)
@@ -497,9 +516,9 @@ def _common_env(req: Request, facts: Mapping[str, HostFacts], layout: _Layout,
         envs.WORLD_SIZE: str(layout.world),
         envs.MASTER_ADDR: _master_addr(req, hosts[0], facts),
         envs.MASTER_PORT: str(master_port),
-        envs.TORCHELASTIC_RUN_ID: job_id if export_job_id else "none",
-        envs.TORCHELASTIC_RESTART_COUNT: "0",
-        envs.TORCHELASTIC_MAX_RESTARTS: "0",
+        envs.TORCHELASTIC_RUN_ID: (attempt.run_id or job_id) if export_job_id else "none",
+        envs.TORCHELASTIC_RESTART_COUNT: str(attempt.number),
+        envs.TORCHELASTIC_MAX_RESTARTS: str(attempt.max_restarts),
         envs.GROUP_WORLD_SIZE: str(layout.nnodes if layout.per_node else len(hosts)),
         envs.ROLE_WORLD_SIZE: str(layout.world),
         envs.ROLE_NAME: "default",
@@ -558,12 +577,14 @@ def make_plan(
     environ: Mapping[str, str],
     secret_env: Mapping[str, str] | None = None,
     export_job_id: bool = True,
+    attempt: Attempt = Attempt(),  # noqa: B008 - frozen
 ) -> JobPlan:
     """Build the whole job plan. ``environ`` is the launcher's env (for ``-x KEY``);
     ``secret_env`` the variables that carry the job's secret to every rank (the caller draws
     a new secret or passes the user's on: drawing one is a side effect). Without
     ``export_job_id`` (one ddlrun per node, no --rdzv-id) DDL_JOB_ID is left unset so ddl
-    agrees one at init; ``job_id`` then only names this launcher's logs."""
+    agrees one at init; ``job_id`` then only names this launcher's logs. ``attempt``: which
+    start of the job this is (``--max-restarts``)."""
     _check_inputs(req, job_id, master_port)
     user_env = _user_env(req, environ)
     gpus_of = _gpus_per_host(req, facts, environ, user_env)
@@ -575,7 +596,7 @@ def make_plan(
     options = ddl_options(req, _whole_job(layout),
                           user_env.get(envs.DDL_OPTIONS, environ.get(envs.DDL_OPTIONS)))
     common = _common_env(req, facts, layout, hosts, job_id, master_port, options, user_env,
-                         secret_env or {}, export_job_id)
+                         secret_env or {}, export_job_id, attempt)
     per_host = _rank_specs(req, facts, layout, hosts, common, omp_set, gpus_of)
     names = {h.name for h in hosts}
     return JobPlan(

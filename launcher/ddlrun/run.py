@@ -15,6 +15,9 @@ rank has ended; ddlrun itself always fails fast.)
 
 Exit codes: the blamed rank's code (128+N when killed by signal N); 124 when --timeout
 ran out; 130/143 on SIGINT/SIGTERM; 2 usage errors; 3 preflight failures.
+
+A signal that comes while the job is torn down does not abort the teardown: it is kept
+(``Outcome.late_signal``) so that ``steps.act`` starts no restart after it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import failures as blame
 from .backends.base import Backend
@@ -68,6 +71,7 @@ class Outcome:
     failure: Event | None = None
     still_running: tuple[int, ...] = ()
     stuck: tuple[Stuck, ...] = ()
+    late_signal: int | None = None  # SIGINT/SIGTERM/SIGHUP that came during the teardown
 
 
 OUTPUT_DRAIN = 0.5  # seconds the report waits for the failing rank's last lines
@@ -112,17 +116,23 @@ def supervise(
     clock: Callable[[], float] = time.monotonic,
     fail_fast: bool = True,
     events: queue.Queue[Event] | None = None,
+    end_note: bool = True,
+    deadline: float | None = None,
 ) -> Outcome:
     """Run the job to its end, its first failure (by the time it happened), its --timeout
     or a signal; tear it down; report; return the outcome. Without ``fail_fast`` (tests
     whose ranks must each report how they saw a peer fail) a failure stops nothing: the
     job runs until every rank has exited or the timeout, and the outcome is still the
     earliest failure. ``clock`` and ``events`` (the channel the backend reports on, read
-    with a timeout) are the seams of the fake-clock tests, whose queue moves their clock."""
+    with a timeout) are the seams of the fake-clock tests, whose queue moves their clock.
+    Without ``end_note`` the caller says how the job ended (``report_end``): ``steps.act``,
+    which may restart it, and gives the ``deadline`` (on ``clock``) of a --timeout that
+    counts over every start of the job."""
     events = queue.Queue() if events is None else events
     wall = blame.wall_clock(clock, time.time)
     remaining = {r.rank for r in plan.ranks}
-    deadline = clock() + timeout if timeout else None
+    if deadline is None and timeout:
+        deadline = clock() + timeout
     outcome: Outcome | None = None
     seen: list[Event] = []  # failures so far, without fail_fast
     try:
@@ -166,12 +176,20 @@ def supervise(
         sink.note(f"{exc}: stopping all ranks")
         outcome = Outcome(128 + exc.signum)
     finally:
-        with signals_raise_ignored():
+        with signals_deferred() as late:
             backend.close(grace)
-    if outcome is not None and outcome.code not in (0, 127):
+    outcome = outcome or Outcome(0)
+    if late:
+        outcome = replace(outcome, late_signal=late[0])
+    if end_note:
+        report_end(plan, sink, outcome)
+    return outcome
+
+
+def report_end(plan: JobPlan, sink: OutputSink, outcome: Outcome) -> None:
+    if outcome.code not in (0, 127):
         sink.note(f"job {plan.job_id} ended with exit code {outcome.code}; if a host kept its "
                   "shared memory: ddlrun --cleanup there (it removes what no process maps)")
-    return outcome or Outcome(0)
 
 
 def _account(ev: Event, remaining: set[int]) -> None:
@@ -201,16 +219,22 @@ def _settle(events: queue.Queue, remaining: set[int], end: float,
 
 
 @contextlib.contextmanager
-def signals_raise_ignored() -> Iterator[None]:
-    """While tearing down, a second Ctrl-C must not abort the teardown half way."""
+def signals_deferred() -> Iterator[list[int]]:
+    """While tearing down, a (second) Ctrl-C must not abort the teardown half way: the
+    signals that come are kept in the list yielded, for the caller to act on after it."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    pending: list[int] = []
+
+    def keep(signum, frame):
+        pending.append(signum)
+
     try:
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+        old = {s: signal.signal(s, keep) for s in sigs}
     except ValueError:  # not the main thread
-        yield
+        yield pending
         return
     try:
-        yield
+        yield pending
     finally:
         for s, h in old.items():
             signal.signal(s, h)

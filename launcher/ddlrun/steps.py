@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -22,9 +23,18 @@ from .backends import Backend
 from .backends.ssh import AgentBackend, SshBackend
 from .config import Config
 from .errors import PreflightError, UsageError
+from .events import RankExit, describe_code
 from .hosts import HostSpec, is_local
 from .output import OutputSink, log_paths
-from .plan import HostFacts, JobPlan, Request, describe, make_plan
+from .plan import (
+    Attempt,
+    HostFacts,
+    JobPlan,
+    Request,
+    attempt_job_id,
+    describe,
+    make_plan,
+)
 from .preflight import (
     ProbeResult,
     ProbeRuns,
@@ -36,7 +46,14 @@ from .preflight import (
     probe_remote,
     version_table,
 )
-from .run import signals_raise, supervise
+from .run import (
+    Interrupted,
+    Outcome,
+    report_end,
+    signals_deferred,
+    signals_raise,
+    supervise,
+)
 from .shm import Janitor, cleanup, job_secret, mib, sweep_orphans
 
 PYTHON_NAME = re.compile(r"python[0-9.]*")
@@ -239,6 +256,8 @@ class JobInputs:
     master_port: int
     secret_env: Mapping[str, str]
     notes: tuple[str, ...] = ()
+    attempt: int = 0  # which start of the job (--max-restarts): 0 first
+    run_id: str | None = None  # the first attempt's job id, shared by every attempt
 
 
 FALLBACK_PORT = 29500  # torchrun's default: host 0 was not probed for a free one
@@ -284,12 +303,27 @@ def job_inputs(cfg: Config, facts: Mapping[str, HostFacts],
     return JobInputs(cfg.job_id or new_job_id(), port, secret_env, notes)
 
 
+def restart_inputs(cfg: Config, first: JobInputs, attempt: int,
+                   environ: Mapping[str, str],
+                   pick: Callable[[], int] = pick_free_pair) -> JobInputs:
+    """The inputs of restart ``attempt`` (1, 2, ...) of the job ``first`` drew: a job id of
+    its own (``attempt_job_id``: new shared memory), a port picked free again unless
+    --master-port gave one, and a new secret unless it is the user's (a new rendezvous).
+    Restarts run on this host only (``cli.parse_max_restarts``), so the port is picked
+    here."""
+    run_id = first.run_id or first.job_id
+    port = cfg.master_port or pick()
+    secret_env, _ = secret_for(cfg, environ)
+    return JobInputs(attempt_job_id(run_id, attempt), port, secret_env, (), attempt, run_id)
+
+
 def plan_job(cfg: Config, facts: Mapping[str, HostFacts], inputs: JobInputs,
              environ: Mapping[str, str]) -> JobPlan:
     """Pure: the job plan from the config, what preflight learned and the drawn inputs."""
     return make_plan(cfg.request, facts, inputs.job_id, inputs.master_port, environ,
                      inputs.secret_env,
-                     export_job_id=not cfg.per_node or cfg.job_id is not None)
+                     export_job_id=not cfg.per_node or cfg.job_id is not None,
+                     attempt=Attempt(inputs.attempt, cfg.max_restarts, inputs.run_id))
 
 
 # ---------------------------------------------------------------------------- act
@@ -304,18 +338,84 @@ def print_dry_run(cfg: Config, plan: JobPlan, backend: Backend) -> None:
     sys.stdout.flush()
 
 
-def act(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink) -> int:
-    """Print the plan (--dry-run) or run it to its end and return its exit code."""
+# the plan and backend of restart N (1, 2, ...): ``cli`` draws its inputs and plans it
+NextAttempt = Callable[[int], tuple[JobPlan, Backend]]
+
+
+def act(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink,
+        next_attempt: NextAttempt | None = None) -> int:
+    """Print the plan (--dry-run) or run it to its end and return its exit code. With
+    --max-restarts N (and ``next_attempt``), a rank's failure stops every rank, as always,
+    and then the whole job starts again, up to N times, torchrun's way (its agent's
+    ``_invoke_run``): each attempt a new job (``restart_inputs``), the --timeout counted
+    over all of them. A signal to ddlrun ends the job, whenever it comes."""
     if cfg.dry_run:
         print_dry_run(cfg, plan, backend)
         return 0
     sweep_at_start(sink)
+    deadline = time.monotonic() + cfg.timeout if cfg.timeout else None
+    try:
+        with signals_raise():
+            for attempt in range(cfg.max_restarts + 1):
+                outcome = run_attempt(cfg, plan, backend, sink, deadline)
+                failure = _restart_due(cfg, outcome, attempt, deadline, sink)
+                if failure is None or next_attempt is None:
+                    report_end(plan, sink, outcome)
+                    if cfg.max_restarts and outcome.late_signal is not None:
+                        return 128 + outcome.late_signal  # the user's stop ended the run
+                    return outcome.code
+                plan, backend = next_attempt(attempt + 1)
+                sink.note(f"{_failure_line(failure, backend)}; restart {attempt + 1} of "
+                          f"{cfg.max_restarts} (job {plan.job_id})")
+            raise AssertionError("unreachable: the last attempt has no restart")
+    except Interrupted as exc:  # between attempts: nothing of the last one is running
+        sink.note(f"{exc}: stopped; no rank is running")
+        return 128 + exc.signum
+    finally:
+        sink.close()
+
+
+def _restart_due(cfg: Config, outcome: Outcome, attempt: int, deadline: float | None,
+                 sink: OutputSink) -> RankExit | None:
+    """The failure the job starts again for: a rank's (not a timeout, a signal or a
+    program that cannot start), with restarts and time left; None when it ends. Says why
+    not when restarts were asked for."""
+    failure = outcome.failure
+    if not isinstance(failure, RankExit) or not outcome.code or not cfg.max_restarts:
+        return None
+    if outcome.late_signal is not None:
+        sink.note(f"{signal.Signals(outcome.late_signal).name} during the teardown: no restart")
+        return None
+    if attempt >= cfg.max_restarts:
+        sink.note(f"{_failure_line(failure, None)}; no restart left (--max-restarts "
+                  f"{cfg.max_restarts} used)")
+        return None
+    if deadline is not None and time.monotonic() >= deadline:
+        sink.note(f"--timeout {cfg.timeout:g}s used up: no restart")
+        return None
+    return failure
+
+
+def _failure_line(ev: RankExit, backend: Backend | None) -> str:
+    """``rank R failed (why)`` for the restart's line."""
+    how = describe_code(ev.code)
+    if ev.record is not None:
+        cwd = backend.opts.cwd if backend is not None and backend.opts.cwd else os.getcwd()
+        how = f"{ev.record.summary(cwd)}, {how}"
+    return f"rank {ev.rank} failed ({how})"
+
+
+def run_attempt(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink,
+                deadline: float | None) -> Outcome:
+    """One start of the job: logs, janitor, ``supervise``, this host's shared memory after;
+    ``deadline`` (``time.monotonic``) the end of --timeout, for every start together. The
+    teardown is not cut short by a signal: one that comes then is raised after it."""
     if cfg.verbose:
         sink.note(describe(plan, cfg.options.cwd))
     if (cfg.launcher != "local" or cfg.verbose) and not backend.notes_own_command:
         for argv_ in backend.commands(plan):
             sink.note("running: " + shlex.join(argv_))
-    sink.open_logs(log_paths(cfg.log_dir, plan.job_id, (r.rank for r in plan.ranks)))
+    sink.restart_logs(log_paths(cfg.log_dir, plan.job_id, (r.rank for r in plan.ranks)))
     # This host's /dev/shm after the job, or at once if ddlrun is killed (the janitor): the
     # job's segments of every host index its ranks use, as only those here can be reached
     # (the ssh/blaunch agents do the same on theirs).
@@ -323,17 +423,19 @@ def act(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink) -> int:
     secret = job_secret(plan.ranks[0].env_dict()) if plan.ranks else None
     janitor = Janitor.start(plan.job_id, indexes, secret)
     try:
-        with signals_raise():
-            outcome = supervise(plan, backend, sink, cfg.timeout, cfg.options.grace)
+        outcome = supervise(plan, backend, sink, cfg.timeout, cfg.options.grace,
+                            end_note=False, deadline=deadline)
     finally:
-        try:
-            for index in indexes:  # what a crashed rank left
-                cleanup(plan.job_id, index, secret, sink.note)
-        finally:
-            if janitor is not None:
-                janitor.finish()
-            sink.close()
-    return outcome.code
+        with signals_deferred() as late:
+            try:
+                for index in indexes:  # what a crashed rank left
+                    cleanup(plan.job_id, index, secret, sink.note)
+            finally:
+                if janitor is not None:
+                    janitor.finish()
+    if late:
+        raise Interrupted(late[0])
+    return outcome
 
 
 def shm_host_indexes(plan: JobPlan) -> list[int]:

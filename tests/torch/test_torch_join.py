@@ -1,7 +1,9 @@
 """hvd.join() with Horovod's semantics across real processes (2 and 3 ranks): joined ranks
-serve the collectives of the ranks still running, so uneven batch counts work under the
-DistributedOptimizer; see workers/hvd_join.py for what each part does. One job per rank
-count; the tests below read its report."""
+serve the allreduces of the ranks still running, so uneven batch counts work under the
+DistributedOptimizer, and allgather, alltoall, broadcast and reducescatter raise on every
+running rank while a rank has joined, as Horovod's controller refuses them; see
+workers/hvd_join.py for what each part does. One job per rank count; the tests below read
+its report."""
 
 import pytest
 from torch_util import reports, run_worker
@@ -62,12 +64,17 @@ def test_collectives_while_ranks_are_joined(job):
         assert not _all_true(c), _all_true(c)
     running = [k for k in reps[1]["collectives"] if k.startswith("first0_")]
     for name in ("allreduce_sum", "allreduce_average", "allreduce_min", "allreduce_max",
-                 "allreduce_product", "allgather", "async", "grouped", "grouped_inplace",
-                 "reduce_scatter", "grouped_reducescatter", "int_average",
-                 "alltoall", "grouped_allgather", "broadcast_parameters",
-                 "broadcast_running_root", "broadcast_joined_root_raises",
-                 "broadcast_object_raises", "allgather_object_raises", "after_errors"):
+                 "allreduce_product", "async", "grouped", "grouped_inplace", "int_average",
+                 "average_f16_bitwise", "average_bf16_bitwise", "barrier", "after_errors"):
         assert f"first0_{name}" in running, name  # the checks did run
+    # Horovod's controller refuses these while a rank has joined: each raised on every
+    # running rank, and the next call was in step
+    for name in ("allgather", "allgather_async", "grouped_allgather", "alltoall",
+                 "broadcast_running_root", "broadcast_joined_root", "broadcast_parameters",
+                 "reduce_scatter", "grouped_reducescatter", "broadcast_object",
+                 "allgather_object"):
+        assert f"first0_{name}_raises" in running, name
+        assert f"first0_{name}_then_in_step" in running, name
 
 
 @pytest.mark.timeout(120)

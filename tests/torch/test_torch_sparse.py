@@ -29,3 +29,7 @@ def test_distributed_optimizer_reduces_sparse_gradients_as_horovod(n):
         assert rep["vs_reference"] is True  # one process on the concatenated batch
         assert rep["vs_sparse_as_dense"] is True and rep["predivide"] is True
         assert rep["trained"] is True
+        # torch.optim.SparseAdam (sparse gradients only) steps on the allgathered gradient
+        assert rep["adam_modes"] == ["sparse"] and rep["adam_grad_sparse"] is True, rep
+        assert rep["adam_same"] is True and rep["adam_trained"] is True, rep
+        assert rep["adam_vs_reference"] is True, rep  # the concatenated batch, one process

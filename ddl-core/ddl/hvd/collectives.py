@@ -71,10 +71,13 @@ def _no_r(step: Callable[[], Any]) -> Callable[[np.ndarray], Any]:
 
 
 def reduction(rop: ddl.ReduceOp, t: Any, post: float, size: int) -> tuple[ddl.ReduceOp, float]:
-    """The op the engine runs and the postscale applied after it. Horovod averages by
-    summing and multiplying by ``postscale / size`` (in float64): for an integer tensor that
-    is exactly what happens here, so the result truncates toward zero as in Horovod."""
-    engine_op = ng.engine_op(rop, code_of(t))
+    """The op the engine runs and the factor the result is scaled by after it, once.
+    Horovod averages by summing and multiplying by ``postscale / size`` (a double, used as a
+    float32 for 16- and 32-bit floats, see ``NumpyOps.scaled``): so does every Average
+    here, but where the engine's own Average is that result bit for bit
+    (:func:`ddl.hvd.negotiate.engine_op`). An integer average truncates toward zero, as in
+    Horovod."""
+    engine_op = ng.engine_op(rop, code_of(t), size, post)
     if engine_op is not rop:
         return engine_op, post / size
     return rop, post
@@ -207,22 +210,47 @@ def _plan_allreduce(tensor: Any, average: bool | None, name: str | None, op: Any
 def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool = False,
                      async_: bool = True, prescale: float = 1.0, postscale: float = 1.0,
                      before: Callable[[], None] | None = None,
-                     sources: list | None = None) -> Any:
+                     sources: list | None = None, scope: ng._State | None = None) -> Any:
     """A DistributedOptimizer's bucket allreduce (already packed, scaled by the caller).
     With ``sources``, ``tensor`` is the fusion buffer they would be packed into, never
     packed: their sum goes into it, or back into the sources when ``inplace`` (ranks that
-    joined see an allreduce of ``tensor`` either way). ``name`` labels the handle only."""
+    joined see an allreduce of ``tensor`` either way). ``name`` labels the handle only.
+    ``scope``: the process set it runs in (the global one by default; an Average divides
+    by the set's size)."""
+    group = None if scope is None else scope.group
+    size = ddl.size() if scope is None else scope.size
 
     def plan() -> Planned:
+        # The op every rank runs, joined ones too (they serve it from the descriptor): an
+        # Average may run as a Sum, then scaled by 1 / size here (the caller applies its
+        # postscale itself)
+        engine_op = ng.engine_op(op, code_of(tensor), size, postscale)
         if sources is None:
-            data = _api.plan_allreduce(tensor, op, None, inplace)
+            data = _api.plan_allreduce(tensor, engine_op, None, inplace, group)
         else:
-            data = _api.plan_allreduce_into(sources, None if inplace else tensor, op)
+            data = _api.plan_allreduce_into(sources, None if inplace else tensor, engine_op,
+                                            group)
         call = Call(ng.ALLREDUCE, op, code_of(tensor), tuple(tensor.shape), pre=prescale,
                     post=postscale)
-        return Planned(call, _no_r(data), before=before)
+        if engine_op == op:
+            return Planned(call, _no_r(data), before=before)
+        factor = 1.0 / size
+        fw = ops_for(tensor)
 
-    return submit(ng.ALLREDUCE, None, plan, async_=async_, label=name)
+        def finish(out: Any) -> Any:
+            with fw.no_grad():
+                if sources is None:
+                    fw.scale_(out, factor)
+                elif inplace:
+                    for t in sources:
+                        fw.scale_(t, factor)
+                else:
+                    fw.scale_(tensor, factor)
+            return out
+
+        return Planned(call, _no_r(data), finish, before=before)
+
+    return submit(ng.ALLREDUCE, None, plan, async_=async_, label=name, scope=scope)
 
 
 def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,

@@ -6,18 +6,22 @@ every Horovod-level call begins with the identity exchange of :mod:`ddl.hvd.nego
 an allreduce (MAX) of a descriptor of the call:
 
 - a joined rank sends a sentinel (``-2**62``) in every word, so it never wins the MAX, and
-  learns from the result what the others do. It then takes part with an empty contribution:
-  zeros of the right dtype and shape for allreduce and reduce_scatter (Min, Max and Product
-  see those zeros too, and Average still divides by ``size()``: Horovod's rule), no rows for
-  allgather and alltoall; what it receives is dropped. A grouped call describes its members
-  by a hash only, so while anyone has joined the lowest running rank broadcasts the layout
-  first and the joined ranks serve every member from it;
+  learns from the result what the others do. It then takes part in an allreduce with
+  zeros of the right dtype and shape (Min, Max and Product see those zeros too, and
+  Average still divides by ``size()``: Horovod's rule; it runs the engine op of
+  ``negotiate.engine_op``, as the running ranks do); what it receives is dropped. A
+  grouped allreduce describes its members by a hash only, so while anyone has joined the
+  lowest running rank broadcasts the layout first and the joined ranks serve every member
+  from it. A DistributedOptimizer's plan broadcast, barrier and shutdown are served too;
+- every other collective raises on every running rank while any rank has joined, as
+  Horovod's controller refuses it: allgather (and grouped_allgather), alltoall, broadcast
+  (broadcast_parameters...), reducescatter (and grouped_reducescatter) and the object
+  collectives. The running ranks decide it from the exchange's result together
+  (``negotiate.problem``/``error``); the joined ranks keep serving and the job stays in
+  step;
 - when every rank sends the sentinel, all have joined: ``join()`` returns on every rank the
   rank that joined last (latest in the collective sequence, then latest in time, then the
   highest rank), agreed through one final allgather.
-
-A broadcast whose root has joined, and ``broadcast_object``/``allgather_object`` while any
-rank has joined, raise a ``DDLError`` on every running rank (the joined ranks keep serving).
 """
 
 from __future__ import annotations
@@ -74,28 +78,26 @@ def broadcast_plan(times: np.ndarray, index: int) -> np.ndarray:
 
 # ------------------------------------------------------------------ joined ranks
 def _serve(r: np.ndarray) -> None:
-    """Take part in the call the running ranks described, contributing nothing."""
-    kind, code = int(r[ng.KIND]), int(r[ng.DTYPE])
-    if int(r[ng.OP]) == _adasum.ADASUM_CODE and kind in (ng.ALLREDUCE, ng.GROUPED_ALLREDUCE):
+    """Take part in the call the running ranks described, contributing nothing. Only
+    allreduce (single or grouped), the optimizer's plan broadcast, barrier and shutdown get
+    here: :func:`ddl.hvd.negotiate.problem` refuses every other call beside a joined rank."""
+    kind, code, op = int(r[ng.KIND]), int(r[ng.DTYPE]), int(r[ng.OP])
+    if op == _adasum.ADASUM_CODE and kind in (ng.ALLREDUCE, ng.GROUPED_ALLREDUCE):
         return  # the running ranks refuse Adasum beside a joined rank before data moves
     nd = min(int(r[ng.NDIM]), ng.MAX_DIMS)
     shape = tuple(int(x) for x in r[ng.DIMS:ng.DIMS + nd])
+    size, post = ddl.size(), ng._bits_scale(int(r[ng.POST]))
     if kind == ng.ALLREDUCE:
-        _api.plan_allreduce(_arrays.zeros(code, shape), ng.engine_op(int(r[ng.OP]), code), None,
-                             True)()
-    elif kind == ng.REDUCE_SCATTER:
-        _api.plan_reduce_scatter(_arrays.zeros(code, shape),
-                                     ng.engine_op(int(r[ng.OP]), code))()
-    elif kind == ng.ALLGATHER:
-        _api.plan_allgather(_arrays.zeros(code, (0,) + shape[1:]))()
-    elif kind == ng.ALLTOALL:
-        row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-        _api.plan_allgather(np.zeros((1, ddl.size()), dtype=np.int64))()
-        _api.plan_allgather(_arrays.zeros(code, (0, row)))()
-    elif kind == ng.BROADCAST:
-        _api.plan_broadcast(_arrays.zeros(code, shape), int(r[ng.ARG]), True)()
-    elif kind in ng.GROUPED:
-        _serve_grouped(kind, r, ng.share_layout(r, None))
+        _api.plan_allreduce(_arrays.zeros(code, shape), ng.engine_op(op, code, size, post),
+                            None, True)()
+    elif kind == ng.GROUPED_ALLREDUCE:
+        rows = ng.share_layout(r, None)
+        for members in ng.buckets(rows):
+            numel = sum(int(np.prod(ng.member_shape(rows, i), dtype=np.int64))
+                        for i in members)
+            code = int(rows[members[0], 0])
+            _api.plan_allreduce(_arrays.zeros(code, (numel,)),
+                                ng.engine_op(op, code, size, post), None, True)()
     elif kind == ng.PLAN:
         times = np.zeros(shape, dtype=np.float64)
         _api.plan_broadcast(times, int(-r[ng.LOWEST]), True)()
@@ -105,27 +107,6 @@ def _serve(r: np.ndarray) -> None:
         if opt is not None:
             opt._adopt_plan(times)
     # BARRIER, SHUTDOWN: the control exchange was all of it.
-
-
-def _serve_grouped(kind: int, r: np.ndarray, rows: np.ndarray) -> None:
-    """The members of a grouped call, in the order the running ranks move them."""
-    if kind == ng.GROUPED_ALLREDUCE:
-        for members in ng.buckets(rows):
-            numel = sum(int(np.prod(ng.member_shape(rows, i), dtype=np.int64))
-                        for i in members)
-            code = int(rows[members[0], 0])
-            _api.plan_allreduce(_arrays.zeros(code, (numel,)), ng.engine_op(int(r[ng.OP]), code),
-                                 None, True)()
-        return
-    for i in range(rows.shape[0]):
-        code, shape = int(rows[i, 0]), ng.member_shape(rows, i)
-        if kind == ng.GROUPED_ALLGATHER:
-            _api.plan_allgather(_arrays.zeros(code, (0,) + shape[1:]))()
-        elif kind == ng.GROUPED_REDUCE_SCATTER:
-            _api.plan_reduce_scatter(_arrays.zeros(code, shape),
-                                     ng.engine_op(int(r[ng.OP]), code))()
-        else:
-            _api.plan_broadcast(_arrays.zeros(code, shape), int(r[ng.ARG]), True)()
 
 
 def _serve_until_all_joined() -> int:

@@ -134,6 +134,11 @@ def ensure_round(st: ng._State) -> _runtime.Handle:
 def _run_round(st: ng._State) -> None:
     with st.lock:
         st.round_queued = None  # calls submitted from now on need another round
+        if not st.pending:
+            # Nothing of this rank's left to offer (the offer of an earlier step ran it): no
+            # call can be ready without this rank, and whatever another rank's round waits
+            # for, its next step meets it as well.
+            return
     outer = getattr(ng._tls, "st", None)
     ng._tls.st = st
     try:
@@ -231,9 +236,12 @@ def _execute(st: ng._State, e: _Entry) -> None:
         except Exception as exc:  # noqa: BLE001 - the peers must hear of any failure
             failed = exc
     try:
-        d = ng._mine(call, failed is not None, _NAMED_WORD, payload)
-        r = ng._settle(call, _NAMED_WORD, payload, failed, ng.exchange(d))
-        out = None if failed is not None else ng._engine(p.data, r)
+        if failed is None:  # folded into the data's first step where it can be
+            out = ng.run_step(call, p.data, payload, _NAMED_WORD, st)
+        else:
+            d = ng._mine(call, True, _NAMED_WORD, payload)
+            ng._settle(call, _NAMED_WORD, payload, failed, ng.exchange(d))
+            out = None
     except ng.Retry:
         # every running rank is here, in the same list of calls: no round can meet it
         exc = ddl.DDLError(f"rank {ddl.rank()}: a round met the named call {e.name!r}")

@@ -110,11 +110,22 @@ FOLDABLE = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, GROUPED_A
             GROUPED_ALLGATHER, GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
 _FOLDABLE = frozenset(FOLDABLE)  # the per-call test
 OBJECTS = (BROADCAST_OBJECT, ALLGATHER_OBJECT)  # need every rank's data: not after join
-# A joined rank rebuilds these shapes from the descriptor or the layout, which fold the
-# dimensions past MAX_DIMS; the engines compare the real shapes, so such calls cannot be
-# served. Grouped allreduce moves flat buffers: any shape is fine.
-_EXACT_SHAPES = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCE_SCATTER, ALLTOALL, GROUPED_ALLGATHER,
-                 GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER)
+# What Horovod's controller refuses while any rank has joined ("Allgather is not supported
+# with Join at this time", and so for alltoall, broadcast and reducescatter): every running
+# rank raises, the joined ones serve on. Joined ranks serve allreduce, grouped allreduce,
+# the optimizer's plan broadcast, barrier and shutdown only.
+NOT_WITH_JOIN = frozenset((ALLGATHER, ALLTOALL, BROADCAST, REDUCE_SCATTER, GROUPED_ALLGATHER,
+                           GROUPED_BROADCAST, GROUPED_REDUCE_SCATTER) + OBJECTS)
+_HOROVOD_JOIN_TEXT = {
+    ALLGATHER: "Allgather is not supported with Join at this time. Specify "
+               "sparse_to_dense=True if using DistributedOptimizer",
+    GROUPED_ALLGATHER: "Allgather is not supported with Join at this time.",
+    ALLTOALL: "Alltoall is not supported with Join at this time.",
+    BROADCAST: "Broadcast is not supported with Join at this time.",
+    GROUPED_BROADCAST: "Broadcast is not supported with Join at this time.",
+    REDUCE_SCATTER: "Reducescatter is not supported with Join at this time.",
+    GROUPED_REDUCE_SCATTER: "Reducescatter is not supported with Join at this time.",
+}
 _MEMBER = 3 + MAX_DIMS  # layout words per member: dtype code, device, ndim, dims
 _JOINED_NOTE = "hvd.join() (finished, serving the others)"
 
@@ -264,15 +275,26 @@ def code_of(x: Any) -> int:
     return _dtypes.from_numpy(np.asarray(x).dtype).code
 
 
-def engine_op(op: int, code: int) -> ddl.ReduceOp:
-    """The op the engines run for a call of ``op`` on dtype ``code``: Horovod averages an
-    integer tensor as a Sum scaled afterwards (mpi_ops), so every rank, joined ones too,
-    runs Sum for it; any other call runs its own op."""
+def engine_op(op: int, code: int, size: int, post: float = 1.0) -> ddl.ReduceOp:
+    """The op the engines run for a call of ``op`` on dtype ``code`` in a set of ``size``
+    ranks with postscale ``post``. Horovod averages by summing and then scaling once by
+    ``postscale / size`` (ScaleBuffer: by that factor as a float32 for 16- and 32-bit
+    floats, as a double for float64, in float64 and truncated for integers), so Average
+    runs as Sum, scaled afterwards (``collectives.reduction``). The engine's own Average
+    is kept only where it is that very result, bit for bit: float16, float32, float64
+    (and complex) on a power-of-two ``size`` without postscale, where it multiplies the
+    sum by ``2**-k`` (every rounding rounds the same real number once). Every rank, joined
+    ones too (which read ``post`` from the descriptor, so the test is on its bits), decides
+    alike. Any other call runs its own op (bool Average: the engine refuses it)."""
     rop = ddl.ReduceOp(op)
     if rop is ddl.Average:
         dt = _dtypes.BY_CODE.get(code)
-        if dt is not None and not (dt.is_float or dt.is_complex or dt.is_bool):
-            return ddl.Sum
+        if dt is None or dt.is_bool:
+            return rop
+        if (code in _EXACT_AVERAGE and size & (size - 1) == 0
+                and _scale_bits(post) == _ONE_BITS):
+            return rop
+        return ddl.Sum
     return rop
 
 
@@ -290,6 +312,13 @@ def _scale_bits(x: float) -> int:
 
 def _bits_scale(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(b) << 2))[0]
+
+
+_ONE_BITS = _scale_bits(1.0)
+# dtypes whose engine Average over 2**k ranks is Horovod's sum-then-scale exactly (bfloat16
+# is not: the engine sums it in float32 and divides before its one rounding)
+_EXACT_AVERAGE = frozenset(_dtypes.BY_NAME[n].code for n in (
+    "float16", "float32", "float64", "complex64", "complex128") if n in _dtypes.BY_NAME)
 
 
 class Call(NamedTuple):
@@ -616,7 +645,9 @@ def problem(r: np.ndarray) -> bool:
     if kind in ROOTED and r[ROOT_HERE] != 1:  # the root has joined
         return True
     if r[JOINED] == 1:
-        return kind in OBJECTS or (kind in _EXACT_SHAPES and r[NDIM] > MAX_DIMS)
+        # a joined rank rebuilds an allreduce's shape from the descriptor, which folds the
+        # dimensions past MAX_DIMS (a grouped one moves flat buffers: any shape is fine)
+        return kind in NOT_WITH_JOIN or (kind == ALLREDUCE and r[NDIM] > MAX_DIMS)
     return False
 
 
@@ -635,8 +666,8 @@ def diagnose(mine: np.ndarray, note: str) -> tuple[np.ndarray, list[str]]:
 
 
 def share_layout(r: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-    """A grouped call while some rank has joined: the lowest running rank broadcasts the
-    layout, which the joined ranks serve from (``rows`` None on a joined rank)."""
+    """A grouped allreduce while some rank has joined: the lowest running rank broadcasts
+    the layout, which the joined ranks serve from (``rows`` None on a joined rank)."""
     buf = (np.zeros((int(r[COUNT]), _MEMBER), dtype=np.int64) if rows is None
            else rows.copy())
     _engine(_api.plan_broadcast(buf, int(-r[LOWEST]), True, _st().group))
@@ -665,7 +696,7 @@ def _settle(call: Call, word: int, payload: int, failed: BaseException | None,
     """What a running rank does with the exchange's result ``r``: see :func:`_negotiate`."""
     st = _st()
     if not problem(r):
-        if r[JOINED] == 1 and call.kind in GROUPED:
+        if r[JOINED] == 1 and call.kind == GROUPED_ALLREDUCE:
             share_layout(r, call.members())
         return r
     if is_round(r):
@@ -728,6 +759,10 @@ def error(rows: np.ndarray, notes: list[str], r: np.ndarray) -> ddl.DDLError:
         )
     kind = int(r[KIND])
     fn = NAMES.get(kind, str(kind))
+    if kind in _HOROVOD_JOIN_TEXT:
+        return ddl.DDLError(
+            f"rank {me}: hvd.{fn}: {_HOROVOD_JOIN_TEXT[kind]} ({_ranks(joined)} already "
+            "called hvd.join(); call it before join() or after join() returns)")
     if kind in ROOTED and r[ROOT_HERE] != 1:
         root = int(r[ARG])
         return ddl.DDLError(

@@ -26,6 +26,7 @@ import ddl
 from ddl.hvd import collectives as C
 from ddl.hvd.adasum import Adasum, check_size
 from ddl.hvd.compression import Compression, Compressor
+from ddl.hvd.process_sets import global_process_set
 
 from .optimizer import DistributedOptimizer, checked_arguments, too_many_passes
 
@@ -63,8 +64,18 @@ class DistributedAdasumOptimizer(DistributedOptimizer):
         self._names = [n for n, p in named if p.requires_grad]
         self._params = [p for _, p in named if p.requires_grad]
         self._passes = [0] * len(self._params)
+        # Horovod's attributes of its _DistributedAdasumOptimizer
+        self._parameter_names = {p: n for n, p in named}
+        self._requires_update = set(self._params)
+        self._synchronized, self._should_synchronize = False, True
+        self.process_set = global_process_set
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
+
+    @property
+    def _handles(self) -> dict:
+        """Nothing in flight between calls: the deltas are combined inside ``step()``."""
+        return {}
 
     def __repr__(self) -> str:
         return f"DistributedAdasumOptimizer({self._opt!r})"

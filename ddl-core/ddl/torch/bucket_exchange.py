@@ -29,6 +29,7 @@ import torch
 import ddl
 from ddl import timeline as _tl
 from ddl.hvd import fusion
+from ddl.hvd import negotiate as ng
 from ddl.hvd.collectives import submit_allreduce
 from ddl.hvd.compression import Compressor, cast_only, passthrough
 from ddl.hvd.negotiate import ALLREDUCE, Handle, fail_here
@@ -113,13 +114,18 @@ class BucketExchange:
     ``op=Average``) sets how dense gradients are reduced; sparse ones always go with
     ``op``. ``groups`` (lists of parameter indices) fixes the buckets for good; otherwise
     they are planned by size (``threshold_bytes``) and refined once from the hooks' timings
-    (``cycle_time_s``; 0 keeps the size-only plan).
+    (``cycle_time_s``; 0 keeps the size-only plan). ``scope`` (a process set's protocol
+    state, None: the global set) and its ``process_set`` say whose gradients are reduced:
+    every collective runs among that set's ranks, which alone use the exchange.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], *, compression: type[Compressor],
                  op: Any, predivide: float, sparse_as_dense: bool, threshold_bytes: int,
-                 cycle_time_s: float, groups: list[list[int]] | None) -> None:
+                 cycle_time_s: float, groups: list[list[int]] | None,
+                 scope: ng._State | None = None, process_set: Any = None) -> None:
         self._params = list(params)
+        self._scope = scope
+        self._process_set = process_set if scope is not None else None
         self._compression = compression
         self._sparse_op = op  # sparse gradients: Horovod's op, never the predivide split
         self._sparse_as_dense = sparse_as_dense
@@ -127,7 +133,7 @@ class BucketExchange:
         # computed with smaller intermediate values (fp16 overflow).
         if predivide != 1.0:
             self._op, self._prescale, self._postscale = (
-                ddl.Sum, 1.0 / predivide, predivide / ddl.size())
+                ddl.Sum, 1.0 / predivide, predivide / self.size)
         else:
             self._op, self._prescale, self._postscale = op, 1.0, 1.0
         self._threshold = threshold_bytes
@@ -150,6 +156,11 @@ class BucketExchange:
                                                self._threshold))
 
     # ---------------------------------------------------------------- inspection
+    @property
+    def size(self) -> int:
+        """How many ranks the gradients are reduced over (the process set's size)."""
+        return ddl.size() if self._scope is None else self._scope.size
+
     @property
     def buckets(self) -> list[fusion.Bucket]:
         """The current plan, in launch order."""
@@ -234,7 +245,7 @@ class BucketExchange:
         except Exception as exc:
             # the bucket's allreduce still takes part in the exchange, so the other ranks'
             # raises too instead of waiting for this one
-            fail_here(ALLREDUCE, exc, name, async_=not inline)
+            fail_here(ALLREDUCE, exc, name, async_=not inline, scope=self._scope)
             raise
         if any(g.is_sparse for g in grads):
             self._launch_sparse(b, bucket, grads, name, inline)
@@ -269,7 +280,8 @@ class BucketExchange:
         gradient is dense issues another call, which the exchange reports on every rank."""
         self._mode[b] = Exchange.SPARSE
         self._kept[b] = []
-        sparse = {i: sparse_allreduce_async(g, op=self._sparse_op)
+        sparse = {i: sparse_allreduce_async(g, op=self._sparse_op,
+                                            process_set=self._process_set)
                   for i, g in zip(bucket.members, grads) if g.is_sparse}
         dense = [(i, g) for i, g in zip(bucket.members, grads) if not g.is_sparse]
         rest = None
@@ -333,13 +345,22 @@ class BucketExchange:
         self._kept[b] = [weakref.ref(g) for g in grads]
 
     def _submit(self, b: int, inline: bool, tensor: torch.Tensor, **kw: Any) -> None:
+        submit = functools.partial(submit_allreduce, scope=self._scope)
         if inline:
             # the caller waits at once: run on this thread when ddl has nothing queued, as
             # blocking calls do (no hand-off to and from the worker)
-            self._step.handles[b] = Handle.ready(
-                submit_allreduce(tensor, self._op, async_=False, **kw))
+            self._step.handles[b] = Handle.ready(submit(tensor, self._op, async_=False, **kw))
         else:
-            self._step.handles[b] = submit_allreduce(tensor, self._op, **kw)
+            self._step.handles[b] = submit(tensor, self._op, **kw)
+
+    def handles(self) -> dict[int, Any]:
+        """This step's launched allreduces: {parameter index: its bucket's handle}."""
+        out = {}
+        for b, h in enumerate(self._step.handles):
+            if h is not None:
+                for i in self._plan[b].members:
+                    out[i] = h
+        return out
 
     @staticmethod
     def _stand_in(bucket: fusion.Bucket) -> torch.Tensor:

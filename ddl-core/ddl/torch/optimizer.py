@@ -34,27 +34,44 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 import ddl
+from ddl.hvd import collectives as C
 from ddl.hvd import fusion
+from ddl.hvd import negotiate as ng
 from ddl.hvd.adasum import is_adasum
 from ddl.hvd.collectives import check_process_set, resolve_op
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.join import broadcast_plan, register_optimizer
+from ddl.hvd.process_sets import ProcessSet, by_id, global_process_set
 from ddl.hvd.settings import cycle_time_ms as _default_cycle_ms
 from ddl.hvd.settings import fusion_threshold_bytes as _default_threshold
 
 from .bucket_exchange import BucketExchange, Exchange
 
-__all__ = ["DistributedOptimizer", "Exchange", "checked_arguments", "too_many_passes"]
+__all__ = ["DistributedOptimizer", "Exchange", "checked_arguments", "set_scope",
+           "too_many_passes"]
+
+
+def set_scope(process_set: Any) -> tuple[bool, ng._State | None]:
+    """Whether this rank is in ``process_set`` and, when the set is not the global one, the
+    set's protocol state (None on ranks outside it, and for the global set). An unknown or
+    unregistered set raises, as its collectives do."""
+    if (isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
+            and by_id(process_set.process_set_id) is process_set
+            and not process_set.included()):
+        return False, None
+    st = check_process_set(process_set)
+    return True, (None if st.group is None else st)
 
 
 def checked_arguments(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None,
-                      process_set: Any, backward_passes_per_step: int, set_refusal: str
-                      ) -> list[tuple[str, torch.Tensor]]:
+                      process_set: Any, backward_passes_per_step: int,
+                      set_refusal: str | None = None) -> list[tuple[str, torch.Tensor]]:
     """What every DistributedOptimizer checks first, in Horovod's order (its ValueErrors
-    before anything else), and (name, param) for every parameter of ``optimizer``; a
-    non-global ``process_set`` raises NotImplementedError(``set_refusal``)."""
+    before anything else), and (name, param) for every parameter of ``optimizer``; with
+    ``set_refusal``, a non-global ``process_set`` raises NotImplementedError(set_refusal)."""
     named = _named(optimizer, named_parameters)
-    if check_process_set(process_set).group is not None:
+    included, st = set_scope(process_set)
+    if set_refusal is not None and (st is not None or not included):
         raise NotImplementedError(set_refusal)
     if not ddl.is_initialized():
         raise ddl.DDLError("call hvd.init() (ddl.torch.init()) before DistributedOptimizer")
@@ -133,7 +150,8 @@ def _group_indices(params: Sequence[torch.Tensor], num_groups: int,
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks (over
+    the ranks of ``process_set`` when given; the others step on their own gradients).
 
     Same arguments as ``horovod.torch.DistributedOptimizer``, plus the fusion settings:
     ``fusion_threshold_bytes`` (default ``DDL_FUSION_THRESHOLD``, 128 MiB; 0 disables
@@ -172,11 +190,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cycle_time_ms: float | None = None,
     ) -> None:
         # Argument errors first, as Horovod raises them (ValueError) before anything else
-        named = checked_arguments(
-            optimizer, named_parameters, process_set, backward_passes_per_step,
-            "ddl.torch.DistributedOptimizer: process_set must be the global one (its "
-            "buckets and join run over every rank); reduce a sub-set's gradients with "
-            "hvd.grouped_allreduce(..., process_set=...) instead")
+        named = checked_arguments(optimizer, named_parameters, process_set,
+                                  backward_passes_per_step)
         # Adasum of one rank's delta is that delta: the plain optimizer, as in Horovod
         op = ddl.Average if is_adasum(op) else resolve_op(None, op)
         if gradient_predivide_factor != 1.0 and op is not ddl.Average:
@@ -184,9 +199,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if num_groups and groups is not None:
             raise ddl.DDLConfigError("pass num_groups or groups, not both")
         self._init_base(optimizer)
+        # Horovod's attributes, with its meaning
+        self.process_set = global_process_set if process_set is None else process_set
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self._compression = compression
+        self._parameter_names = {p: n for n, p in named}
         self._bpps = backward_passes_per_step
         self._names = [n for n, p in named if p.requires_grad]
         self._params = [p for _, p in named if p.requires_grad]  # frozen ones never sync
+        self._requires_update = set(self._params)
+        # A process set: its ranks reduce the gradients among themselves; the others do not
+        # take part (no hooks; their step() applies their own gradients), as in Horovod.
+        self._included, self._set_scope = set_scope(process_set)
         self._exchange = BucketExchange(
             self._params, compression=compression, op=op,
             predivide=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
@@ -194,14 +220,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              else int(fusion_threshold_bytes)),
             cycle_time_s=(_default_cycle_ms() if cycle_time_ms is None
                           else float(cycle_time_ms)) / 1000.0,
-            groups=_group_indices(self._params, num_groups, groups))
+            groups=_group_indices(self._params, num_groups, groups),
+            scope=self._set_scope, process_set=process_set)
         self._lock = threading.Lock()
         self._passes = [0] * len(self._params)  # this step's backward passes per gradient
         self._should_synchronize = True
         self._synchronized = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(self._params)]
+                       for i, p in enumerate(self._params)] if self._included else []
+        # every rank registers (the index is the same everywhere); only optimizers of the
+        # global set ever broadcast a plan under it
         self._join_index = register_optimizer(self)
+
+    # ------------------------------------------------------------- Horovod's state
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._bpps
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's: a new count of backward passes per step, this step's count restarted."""
+        if int(passes) < 1:
+            raise ddl.DDLConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if self._handles:
+            raise ddl.DDLError("set_backward_passes_per_step: this step's allreduces are in "
+                               "flight; call it before backward or after step()")
+        self._bpps = int(passes)
+        self._passes = [0] * len(self._params)
+
+    @property
+    def _allreduce_delay(self) -> dict[torch.Tensor, int]:
+        """Horovod's: per parameter, the backward passes left before its allreduce."""
+        return {p: self._bpps - n for p, n in zip(self._params, self._passes)}
+
+    @property
+    def _handles(self) -> dict[torch.Tensor, Any]:
+        """Horovod's: the allreduces in flight this step, per parameter (a parameter's handle
+        is its fusion bucket's); empty between steps."""
+        return {self._params[i]: (h, None) for i, h in self._exchange.handles().items()}
+
+    @staticmethod
+    def find_duplicates(lst: Iterable[Any]) -> set[Any]:
+        """Horovod's helper: the elements seen more than once."""
+        seen: set[Any] = set()
+        dups: set[Any] = set()
+        for el in lst:
+            (dups if el in seen else seen).add(el)
+        return dups
 
     # ------------------------------------------------------------------ plumbing
     def _init_base(self, optimizer: torch.optim.Optimizer) -> None:
@@ -284,6 +352,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._handles:  # Horovod's: a loaded optimizer starts its step afresh
+            self._passes = [0] * len(self._params)
+            self._synchronized, self._should_synchronize = False, True
         self._opt.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -313,7 +384,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- public API
     def synchronize(self) -> None:
-        """Finish every gradient allreduce of this step; ``p.grad`` then holds the result."""
+        """Finish every gradient allreduce of this step; ``p.grad`` then holds the result.
+        On a rank outside the optimizer's process set: nothing (Horovod's)."""
+        if not self._included:
+            self._synchronized = True
+            return
         exchange = self._exchange
         try:
             with self._lock:
@@ -327,7 +402,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # Every running rank gets here at the same step; the lowest running rank's
             # timing (rank 0's unless it has joined) decides for all, and ranks that have
             # joined adopt the same plan while serving, so the plans stay identical.
-            self._adopt_plan(broadcast_plan(exchange.ready_offsets(), self._join_index))
+            self._adopt_plan(self._agreed(exchange.ready_offsets()))
+
+    def _agreed(self, ready_offsets: np.ndarray) -> np.ndarray:
+        """Every rank's copy of the timings the plan is made from."""
+        if self._set_scope is None:
+            return broadcast_plan(ready_offsets, self._join_index)
+        # a set's ranks alone: its lowest rank's timings (join covers the global set only)
+        offsets = np.ascontiguousarray(ready_offsets, dtype=np.float64)
+        return np.asarray(C.broadcast(offsets, self.process_set.ranks[0],
+                                      process_set=self.process_set))
 
     def _adopt_plan(self, ready_offsets: np.ndarray) -> None:
         """The agreed timings (also called by :mod:`ddl.hvd.join` on ranks that joined)."""
