@@ -96,9 +96,9 @@ def main() -> int:
     if why:
         print(f"cannot run: {why}", file=sys.stderr)
         return 2
-    from ddl.perf.cli import _sizes
+    from ddl.perf.sizes import size_list
 
-    sizes = ",".join(str(s) for s in _sizes(a.sizes))
+    sizes = ",".join(str(s) for s in size_list(a.sizes))
     engines = a.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(Path(tmp), nhosts=a.hosts)

@@ -56,7 +56,7 @@ def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1
     predicted_s and error = predicted / measured - 1). Measured: ddl.perf.worker's median
     over ``iters`` repetitions of back-to-back calls filling 0.5 s each (the benchmark's
     harness, robust to the odd slow call on a shared machine)."""
-    from ddl.perf.cli import _sizes
+    from ddl.perf.sizes import size_list
 
     profile_path = tmp / f"profile-{nhosts}x{per}.json"
     _ddlrun(cluster, nhosts, per, [], ["ddl.perf.cli", "calibrate", "-o", str(profile_path),
@@ -65,7 +65,7 @@ def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1
     res = _ddlrun(cluster, nhosts, per,
                   ["-m", f"b:{per}x{nhosts}", "-x", f"DDL_COST_PROFILE={profile_path}"],
                   ["ddl.perf.worker", "--engine", "ddl", "--sizes",
-                   ",".join(map(str, _sizes(sizes))), "--reps", str(iters),
+                   ",".join(map(str, size_list(sizes))), "--reps", str(iters),
                    "--target-seconds", "0.5"], timeout)
     measured = [json.loads(m.group(1)) for m in
                 re.finditer(r"^(?:\[[\d,]+\]\S* ?)?(\{.*\})$", res.stdout, re.M)]
