@@ -34,6 +34,7 @@ bench: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/deptry .
 
 docs: install
 	$(BIN)/ddl-perf env --markdown > .env-table.md

@@ -3,7 +3,7 @@ job: where DDP's extra exposed communication goes (issue 13's performance target
 
     ddlrun -n 2 python benchmarks/ddp_exposed.py [ROUNDS [VARIANT...]]
 
-Variants, interleaved round by round on the MLP of ``python -m ddl.perf.train`` (10.5 M
+Variants, interleaved round by round on the MLP of ``train_side_by_side.py`` (10.5 M
 parameters): ``compute`` (no communication), ``ddp`` (DDP's defaults: gradients copied into
 its buckets and back), ``ddp-view`` (``gradient_as_bucket_view=True``: the gradients are the
 buckets), ``ddp-view-hook`` (that, with a comm hook calling ``ddl.allreduce_async_`` with

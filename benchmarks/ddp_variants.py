@@ -1,5 +1,5 @@
 """The job and the variants that benchmarks/ddp_exposed.py and ddp_timeline.py compare: the
-10.5 M-parameter MLP of ``python -m ddl.perf.train``, batch 32, one thread per rank, DDP on
+10.5 M-parameter MLP of ``train_side_by_side.py``, batch 32, one thread per rank, DDP on
 the ``ddl`` backend in several settings against ddl.torch's DistributedOptimizer.
 
 Importing it joins the job (``hvd.init()`` and ``init_process_group("ddl")``).
@@ -8,10 +8,10 @@ Importing it joins the job (``hvd.init()`` and ``init_process_group("ddl")``).
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from train_side_by_side import _model
 
 import ddl
 import ddl.torch as hvd
-from ddl.perf.train import _model
 
 torch.set_num_threads(1)
 hvd.init()

@@ -4,7 +4,7 @@ multi-dimensional allreduce pays off (docs/performance.md).
 Needs root: builds network namespaces (one per "host", each with its own hostname and
 sshd; tests/launcher/netns_cluster.py), limits every host's link with
 ``tc ... tbf rate RATE burst 256kb latency 50ms`` in both directions, then runs, side by
-side through ddlrun's ssh backend, ddl.perf.worker for:
+side through ddlrun's ssh backend, benchmarks/allreduce_worker.py for:
 
   ddl-md    ddl, -mode b:<ranks per host>x<hosts>: shared memory inside, Gloo across
   ddl-flat  ddl, no grid: one flat ring over all ranks (Gloo point-to-point)
@@ -25,11 +25,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+WORKER = str(REPO / "benchmarks" / "allreduce_worker.py")
 MODE = "b"  # --mode: the letters ddl-md runs with
 sys.path.insert(0, str(REPO / "tests" / "launcher"))
+from allreduce_worker import Result, table  # noqa: E402
 from netns_cluster import IFACE, Cluster, unavailable  # noqa: E402
-
-from ddl.perf.allreduce import Result, table  # noqa: E402
 
 
 def limit(cluster: Cluster, nhosts: int, rate: str, delay: str | None) -> None:
@@ -48,7 +48,7 @@ def run(cluster: Cluster, engine: str, nhosts: int, per: int, sizes: str, reps: 
     plugin = {"ddl-md": "ddl", "ddl-flat": "ddl", "mpi-noh": "mpi"}.get(engine, engine)
     opts = list(extra)
     if engine == "ddl-md":
-        opts += ["-m", f"{MODE}:{per}x{nhosts}", "--ddloption", "-dump_iter 20"]
+        opts += ["--mode", f"{MODE}:{per}x{nhosts}", "--ddloption", "-dump_iter 20"]
     elif engine in ("ddl-flat", "gloo"):
         opts += ["--no_ddloptions"]
     if engine.startswith("mpi"):
@@ -60,7 +60,7 @@ def run(cluster: Cluster, engine: str, nhosts: int, per: int, sizes: str, reps: 
     argv = cluster.in_launcher([
         sys.executable, "-m", "ddlrun", *cluster.ddlrun_opts(), "-H",
         cluster.hosts(nhosts, per), *opts,
-        sys.executable, "-m", "ddl.perf.worker", "--engine", plugin, "--sizes", sizes,
+        sys.executable, WORKER, "--engine", plugin, "--sizes", sizes,
         "--reps", str(reps), "--target-seconds", "1.0"])
     res = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=str(REPO))
     if res.returncode != 0:

@@ -4,8 +4,9 @@ measured allreduce, size by size (docs/performance.md, "Simulator validation").
 
 Needs root (tests/launcher/netns_cluster.py). Two ddlrun jobs on the same hosts:
   1. ``ddl-perf calibrate -o PROFILE``: alpha and beta of each grid dimension;
-  2. ``ddl.perf.worker`` (the multi-host benchmark's harness) under ``-m b:<per host>x<hosts>``
-     with ``DDL_COST_PROFILE=PROFILE``, so mode b also plans from the measured links.
+  2. ``allreduce_worker.py`` (the multi-host benchmark's worker) under
+     ``--mode b:<per host>x<hosts>`` with ``DDL_COST_PROFILE=PROFILE``, so mode b also plans
+     from the measured links.
 The prediction is ``ddl.perf.simulate.allreduce_row`` on the profile: the pipelined
 multi-dimensional allreduce played out chunk by chunk (``cost.pipeline_time``).
 
@@ -41,10 +42,10 @@ def _ddlrun(cluster: Cluster, nhosts: int, per: int, opts: list[str], argv: list
     env = [f for e in ("OMP_NUM_THREADS=1",) for f in ("-x", e)]
     cmd = cluster.in_launcher([sys.executable, "-m", "ddlrun", *cluster.ddlrun_opts(), "-H",
                                cluster.hosts(nhosts, per), *env, *opts, sys.executable,
-                               "-m", *argv])
+                               *argv])
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
     if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:2])} exited {res.returncode}:\n"
+        raise RuntimeError(f"{' '.join(argv[:3])} exited {res.returncode}:\n"
                            f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return res
 
@@ -53,19 +54,19 @@ def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1
              cal_sizes: str = DEFAULT_SIZES, iters: int = 3,
              timeout: float = 600) -> tuple[cost.Profile, list[dict]]:
     """Calibrate, measure, predict: (profile, one row per size with measured_s,
-    predicted_s and error = predicted / measured - 1). Measured: ddl.perf.worker's median
+    predicted_s and error = predicted / measured - 1). Measured: allreduce_worker.py's median
     over ``iters`` repetitions of back-to-back calls filling 0.5 s each (the benchmark's
     harness, robust to the odd slow call on a shared machine)."""
     from ddl.perf.sizes import size_list
 
     profile_path = tmp / f"profile-{nhosts}x{per}.json"
-    _ddlrun(cluster, nhosts, per, [], ["ddl.perf.cli", "calibrate", "-o", str(profile_path),
-                                       "--sizes", cal_sizes, "-n", str(2 * iters + 1)],
-            timeout)
+    _ddlrun(cluster, nhosts, per, [], ["-m", "ddl.perf.cli", "calibrate", "-o",
+                                       str(profile_path), "--sizes", cal_sizes, "-n",
+                                       str(2 * iters + 1)], timeout)
     res = _ddlrun(cluster, nhosts, per,
-                  ["-m", f"b:{per}x{nhosts}", "-x", f"DDL_COST_PROFILE={profile_path}"],
-                  ["ddl.perf.worker", "--engine", "ddl", "--sizes",
-                   ",".join(map(str, size_list(sizes))), "--reps", str(iters),
+                  ["--mode", f"b:{per}x{nhosts}", "-x", f"DDL_COST_PROFILE={profile_path}"],
+                  [str(REPO / "benchmarks" / "allreduce_worker.py"), "--engine", "ddl",
+                   "--sizes", ",".join(map(str, size_list(sizes))), "--reps", str(iters),
                    "--target-seconds", "0.5"], timeout)
     measured = [json.loads(m.group(1)) for m in
                 re.finditer(r"^(?:\[[\d,]+\]\S* ?)?(\{.*\})$", res.stdout, re.M)]

@@ -20,7 +20,7 @@ import ddl.hvd  # noqa: F401
 from ddl import api, dtypes
 from ddl.engines.shm import ShmEngine as NewShm
 from ddl.hvd import collectives as hc
-from ddl.hvd import lifecycle
+from ddl.hvd import control, lifecycle
 from ddl.hvd import negotiate as ng
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,17 +37,17 @@ common = dict(job_id=w.job_id, host_index=w.host_index, local_rank=w.local_rank,
 old = old_mod.ShmEngine(scope="abold", **common, **kw)
 new = NewShm(scope="abnew", **common, **kw)
 job = api.job_engine()
-orig_may_fold = ng._may_fold
+orig_may_fold = ng.engine_for  # what negotiate.run_step asks
 F32 = dtypes.BY_NAME["float32"]
 
 
 def separate():  # the protocol as before: an allreduce(MAX) of the descriptor of its own
-    ng._may_fold = lambda call, st: None
+    ng.engine_for = lambda call, st: None
     job.exchange_identity = None
 
 
 def folded():
-    ng._may_fold = orig_may_fold
+    ng.engine_for = orig_may_fold
     job.__dict__.pop("exchange_identity", None)
 
 
@@ -64,7 +64,7 @@ out = {}
 for nbytes, n in ((1024, reps), (64 << 20, max(10, reps // 50))):
     x = np.ones(nbytes // 4, np.float32)
     t = {k: [] for k in ("eng_before", "eng_after", "core", "hvd_separate", "hvd_folded")}
-    sep0 = ng.separate_exchanges()
+    sep0 = control.separate_exchanges()
     for i in range(n + 5):
         row = {}
         # the order alternates: the first call of a pair absorbs the ranks' skew
@@ -86,7 +86,7 @@ for nbytes, n in ((1024, reps), (64 << 20, max(10, reps // 50))):
         a - b for a, b in zip(t["hvd_separate"], t["core"]))
     res["over_folded"] = 1e6 * statistics.median(
         a - b for a, b in zip(t["hvd_folded"], t["core"]))
-    res["separate_exchanges"] = ng.separate_exchanges() - sep0
+    res["separate_exchanges"] = control.separate_exchanges() - sep0
     out[nbytes] = res
 old.close()
 new.close()

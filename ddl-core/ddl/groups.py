@@ -17,10 +17,16 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from . import cost
+from .algorithms.dims import GroupDim
+from .algorithms.multidim import MultiDim
+from .engines.base import Engine, PeerGroup
+from .engines.local import LocalEngine
+from .engines.multihost import DimsEngine, MultiHostEngine
+from .engines.shm import ShmEngine
 from .errors import DDLConfigError
 from .runtime import Runtime
 from .topology import World
@@ -29,7 +35,7 @@ from .topology import World
 class Group:
     """The ranks ``ranks`` (global ranks; this process is ``ranks[rank]``)."""
 
-    def __init__(self, ranks: tuple[int, ...], rank: int, engine: Any, runtime: Runtime,
+    def __init__(self, ranks: tuple[int, ...], rank: int, engine: Engine, runtime: Runtime,
                  owned: bool):
         self.ranks = ranks
         self.rank = rank
@@ -71,7 +77,7 @@ def check_ranks(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
 class GroupMaker:
     """Makes this process's groups; remembers how many of each member list it made."""
 
-    def __init__(self, world: World, engine: Any, runtime: Runtime, *, timeout: float,
+    def __init__(self, world: World, engine: Engine, runtime: Runtime, *, timeout: float,
                  chunk_bytes: int, shm_kwargs: dict):
         self._world = world
         self._engine = engine
@@ -91,17 +97,14 @@ class GroupMaker:
         k = self._made[ranks]
         self._made[ranks] += 1
         if len(ranks) == 1:
-            from .engines.local import LocalEngine
-
             return self._group(ranks, 0, LocalEngine())
         # segment-name safe, and the same on every member
         scope = f"g{zlib.crc32(repr(ranks).encode()):08x}n{k}"
         if w.local_size == w.size:  # every rank of the job is on this host
             return self._group(ranks, pos, self._shm(scope, pos, len(ranks), init_timeout))
-        ctx = getattr(self._engine, "ctx", None)
-        if ctx is None:  # pragma: no cover - a multi-host job always has a network context
+        if not isinstance(self._engine, MultiHostEngine):  # pragma: no cover - it always is
             raise DDLConfigError("new_group: this job's engine cannot make sub-groups")
-        net = ctx.subgroup(scope, ranks, pos, init_timeout)
+        net = self._engine.ctx.subgroup(scope, ranks, pos, init_timeout)
         try:
             hosts = np.zeros(len(ranks), np.int64)
             net.allgather_bytes(np.array([w.host_index], np.int64), hosts)
@@ -115,23 +118,16 @@ class GroupMaker:
             raise
 
     @staticmethod
-    def _group(ranks: tuple[int, ...], pos: int, engine: Any) -> Group:
+    def _group(ranks: tuple[int, ...], pos: int, engine: Engine) -> Group:
         return Group(ranks, pos, engine, Runtime(), owned=True)
 
-    def _shm(self, scope: str, pos: int, n: int, init_timeout: float):
-        from .engines.shm import ShmEngine
-
+    def _shm(self, scope: str, pos: int, n: int, init_timeout: float) -> ShmEngine:
         kwargs = dict(self._shm_kwargs, init_timeout=init_timeout)
         return ShmEngine(job_id=self._world.job_id, host_index=self._world.host_index,
                          local_rank=pos, local_size=n, global_rank=self._world.rank,
                          timeout=self._timeout, scope=scope, **kwargs)
 
-    def _network(self, net: Any, pos: int, n: int):
-        from . import cost
-        from .algorithms.dims import GroupDim
-        from .algorithms.multidim import MultiDim
-        from .engines.multihost import DimsEngine
-
+    def _network(self, net: PeerGroup, pos: int, n: int) -> DimsEngine:
         # mode b plans the group's one dimension on the measured link (DDL_COST_PROFILE)
         dim = GroupDim(net, 0, "b", cost.link_for(None, net.name))
         multidim = MultiDim([dim], n, pos, chunk_bytes=self._chunk_bytes,

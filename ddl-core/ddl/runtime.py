@@ -5,6 +5,7 @@ messages free of a thread hand-off."""
 
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 import threading
@@ -16,7 +17,7 @@ from .errors import DDLError, DDLTimeoutError
 
 _log = logging.getLogger("ddl")
 
-_waiting = [0]  # threads blocked in Handle.wait(): their cores are idle
+_waiting = [0]  # threads blocked in QueuedHandle.wait(): their cores are idle
 _waiting_lock = threading.Lock()
 
 
@@ -26,17 +27,46 @@ def callers_waiting() -> bool:
     return _waiting[0] > 0
 
 
-class Handle:
-    """The result of an ``*_async`` call: ``wait()`` returns it, ``poll()`` says if ready."""
+class Handle(abc.ABC):
+    """The one handle type of ddl: what every ``*_async`` call returns, in the core and in
+    every adapter. ``wait(timeout)`` returns the result (or raises the call's error; a
+    ``DDLTimeoutError`` after ``timeout`` seconds, forever by default), ``poll()`` says
+    whether it is ready, so ``ddl.synchronize``/``ddl.poll`` and every adapter's
+    ``hvd.synchronize``/``hvd.poll`` take any of them. The kinds: :class:`QueuedHandle`
+    (queued work, ``ddl.*_async``), ``ddl.hvd.negotiate.Handle`` (a Horovod-level call, its
+    result post-processed on ``wait()``), ``ddl.hvd.named.NamedHandle`` (a call matched by
+    name) and torch's sparse allreduce handle."""
 
-    __slots__ = ("_done", "_result", "_error", "name", "_callbacks", "_cb_lock")
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+
+    @abc.abstractmethod
+    def poll(self) -> bool:
+        """Whether the call has finished (``wait()`` would return at once)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> Any:
+        """The call's result, once it has finished; raises its error."""
+
+    def __repr__(self) -> str:
+        state = "done" if self.poll() else "pending"
+        return f"<ddl.Handle {self.name or '?'} {state}>"
+
+
+class QueuedHandle(Handle):
+    """The handle of work queued on the runtime: finished by the worker that runs it, which
+    then runs its done-callbacks."""
+
+    __slots__ = ("_done", "_result", "_error", "_callbacks", "_cb_lock")
 
     def __init__(self, name: str = ""):
+        super().__init__(name)
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        self.name = name
-        self._callbacks: list[Callable[[Handle], None]] = []
+        self._callbacks: list[Callable[[QueuedHandle], None]] = []
         self._cb_lock = threading.Lock()
 
     def poll(self) -> bool:
@@ -58,7 +88,7 @@ class Handle:
             raise self._error
         return self._result
 
-    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+    def add_done_callback(self, fn: Callable[[QueuedHandle], None]) -> None:
         """Call ``fn(handle)`` once the operation has finished: at once if it has, else on
         the thread that finishes it (ddl's worker), so keep ``fn`` short."""
         with self._cb_lock:
@@ -78,16 +108,12 @@ class Handle:
             except Exception:  # a caller's callback must not kill the worker: say so, go on
                 _log.exception("ddl: a done-callback of %s raised", self.name or "an operation")
 
-    def __repr__(self) -> str:
-        state = "done" if self.poll() else "pending"
-        return f"<ddl.Handle {self.name or '?'} {state}>"
-
 
 class Runtime:
     def __init__(self) -> None:
         self._engine_lock = threading.Lock()
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[Handle, Callable[[], Any]]] = collections.deque()
+        self._queue: collections.deque[tuple[QueuedHandle, Callable[[], Any]]] = collections.deque()
         self._busy = 0  # queued or running
         self._finishing = 0  # done, its handle's callbacks running
         self._thread: threading.Thread | None = None
@@ -112,8 +138,8 @@ class Runtime:
                 return _tl.inline(fn, name)
         return self.submit(fn, name).wait()
 
-    def submit(self, fn: Callable[[], Any], name: str = "") -> Handle:
-        h = Handle(name)
+    def submit(self, fn: Callable[[], Any], name: str = "") -> QueuedHandle:
+        h = QueuedHandle(name)
         if _tl.recorder is not None or _tl.torch_profiler() is not None:
             fn = _tl.queued(fn, name, cycle=self._busy == 0)
         with self._cv:

@@ -10,7 +10,10 @@ Frameworks are probed in child processes of this python (``python -c ... <probe>
 with a timeout and all at once: importing TensorFlow takes seconds, and an import that
 crashes or hangs (a broken CUDA install) must show as ``[ ]`` with its reason, not take
 ddlrun down. A package that is not installed is told by ``importlib.util.find_spec``
-without starting a child.
+without starting a child. With ``--require``, only the probes the required names need run
+(``probes_for``: ``--require nccl,gloo`` imports torch, never TensorFlow); a framework
+not probed shows its version from its package's metadata, ``checked: False``, and the
+engines that need it ``[?]`` (``ok: None``).
 
 Facts, by key: ``powerddl`` (version; whether ``import ddl`` works), ``python``,
 ``frameworks`` (torch, tensorflow, keras), ``engines`` (shm, gloo, nccl, mpi), ``launchers``
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -31,7 +35,7 @@ import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import version
@@ -169,6 +173,21 @@ PROBES: dict[str, tuple[Callable[[], Facts], tuple[str, ...]]] = {
     "mpi": (_probe_mpi, ("mpi4py",)),
 }
 
+# the probe each requirement needs; ddl's (the header, /dev/shm) and MPI's (no MPI_Init,
+# a fraction of a second) always run
+_PROBE_OF = {"torch": "torch", "gloo": "torch", "nccl": "torch", "cuda": "torch",
+             "gpu": "torch", "tensorflow": "tensorflow", "keras": "tensorflow"}
+_ALWAYS = ("ddl", "mpi")
+
+
+def probes_for(required: Sequence[str]) -> set[str]:
+    """The probes ``--require`` needs: all of them without requirements (the whole
+    report), else ddl's, MPI's and those of the required names."""
+    if not required:
+        return set(PROBES)
+    return {*_ALWAYS, *(_PROBE_OF[name] for name in required if name in _PROBE_OF)}
+
+
 # argv[2] is the folder holding this ddlrun package: the child runs this very module,
 # even when the parent found ddlrun through a path the child's python lacks
 _CHILD = ("import sys; sys.path.insert(0, sys.argv[2]); "
@@ -219,6 +238,39 @@ def _not_installed(name: str) -> Facts:
     return {"ok": False, "error": f"{name} is not installed{extra}"}
 
 
+def _dist_version(name: str) -> str | None:
+    """The installed version of the distribution that holds the import package ``name``
+    (``tensorflow`` may come from ``tensorflow-cpu``), from its metadata: no import."""
+    for dist in importlib.metadata.packages_distributions().get(name, [name]):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(dist)
+    return None
+
+
+def _keras_backend(environ: Mapping[str, str]) -> str:
+    """Keras 3's backend as it will choose it: KERAS_BACKEND, else keras.json's, else
+    TensorFlow."""
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"]
+    home = environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    with contextlib.suppress(OSError, ValueError, AttributeError), \
+            open(os.path.join(home, "keras.json")) as f:
+        return str(json.load(f).get("backend") or "tensorflow")
+    return "tensorflow"
+
+
+def _unchecked(name: str, environ: Mapping[str, str]) -> Facts:
+    """An installed framework that was not imported: its version from the metadata."""
+    facts: Facts = {"ok": True, "version": _dist_version(name), "checked": False}
+    if name == "keras":
+        facts["backend"] = _keras_backend(environ)
+    return facts
+
+
+def _not_checked(name: str) -> Facts:
+    return {"ok": None, "error": f"not checked (--require {name} checks it)"}
+
+
 def _failed(child: Facts, what: str) -> Facts:
     return {"ok": False, "error": f"{what}: {child['error']}"}
 
@@ -266,10 +318,13 @@ def _launchers() -> Facts:
     return out
 
 
-def _frameworks(child: Mapping[str, Facts]) -> Facts:
+def _frameworks(child: Mapping[str, Facts], unprobed: Collection[str] = (),
+                environ: Mapping[str, str] = os.environ) -> Facts:
     out: Facts = {}
     torch = child.get("torch")
-    if torch is None:
+    if "torch" in unprobed:
+        out["torch"] = _unchecked("torch", environ)
+    elif torch is None:
         out["torch"] = _not_installed("torch")
     elif "error" in torch:
         out["torch"] = _failed(torch, "import torch")
@@ -277,7 +332,9 @@ def _frameworks(child: Mapping[str, Facts]) -> Facts:
         out["torch"] = torch["torch"]
     tf = child.get("tensorflow")  # TensorFlow's child probes Keras too
     for name in ("tensorflow", "keras"):
-        if tf is None or (name not in tf and "error" not in tf):
+        if "tensorflow" in unprobed and _installed((name,)):
+            out[name] = _unchecked(name, environ)
+        elif tf is None or (name not in tf and "error" not in tf):
             out[name] = _not_installed(name)
         elif "error" in tf:
             out[name] = _failed(tf, f"import {name}")
@@ -293,7 +350,9 @@ def _engines(child: Mapping[str, Facts], torch: Facts, ddl_facts: Facts, shm: Fa
     else:
         out["shm"] = {"ok": True} if shm["ok"] else {"ok": False, "error": shm["error"]}
     for name in ("gloo", "nccl"):
-        if not torch["ok"]:
+        if torch.get("checked") is False:
+            out[name] = _not_checked(name)
+        elif not torch["ok"]:
             out[name] = {"ok": False, "error": f"needs torch ({torch['error']})"}
         else:
             out[name] = dict(child["torch"].get(name, {"ok": False, "error": "not probed"}))
@@ -318,12 +377,16 @@ def _engines(child: Mapping[str, Facts], torch: Facts, ddl_facts: Facts, shm: Fa
 
 def gather(environ: Mapping[str, str] | None = None, timeout: float = PROBE_TIMEOUT,
            probe: Callable[[str, float], Facts] | None = None,
-           statvfs: Callable[[str], os.statvfs_result] = os.statvfs) -> Facts:
+           statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+           probes: Collection[str] | None = None) -> Facts:
     """Facts about this host (see the module docstring). ``probe(name, timeout)`` runs one
-    of ``PROBES`` (default: in a child of this python, under ``environ``)."""
+    of ``PROBES`` (default: in a child of this python, under ``environ``); ``probes``: which
+    (default all; ``probes_for``), the other installed frameworks are told from metadata."""
     env = os.environ if environ is None else environ
     run = probe or (lambda name, t: run_probe(name, t, env))
-    wanted = [name for name, (_, packages) in PROBES.items() if _installed(packages)]
+    installed = [name for name, (_, packages) in PROBES.items() if _installed(packages)]
+    wanted = [name for name in installed if probes is None or name in probes]
+    unprobed = set(installed) - set(wanted)
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(PROBES)) as pool:
         futures = {name: pool.submit(run, name, timeout) for name in wanted}
         child = {name: f.result() for name, f in futures.items()}
@@ -331,12 +394,13 @@ def gather(environ: Mapping[str, str] | None = None, timeout: float = PROBE_TIME
     ddl_facts = child.get("ddl", _not_installed("ddl"))
     if "ok" not in ddl_facts:
         ddl_facts = _failed(ddl_facts, "import ddl")
-    frameworks = _frameworks(child)
+    frameworks = _frameworks(child, unprobed, env)
     torch = frameworks["torch"]
     shm = _shm_facts(ddl_facts, statvfs)
+    devices = torch.get("devices") if torch["ok"] else None
     gpus = {"nvidia_smi": count_gpus() if shutil.which("nvidia-smi") else None,
-            "torch": len(torch["devices"]) if torch["ok"] else None,
-            "devices": list(torch["devices"]) if torch["ok"] else []}
+            "torch": None if devices is None else len(devices),
+            "devices": list(devices or [])}
     return {
         "powerddl": {"version": version(), "ddl": ddl_facts},
         "python": {"version": platform.python_version(), "executable": sys.executable},
@@ -389,6 +453,8 @@ def _requirement(facts: Facts, name: str) -> Facts:
         return facts["launchers"][name]
     torch = facts["frameworks"]["torch"]
     if name == "cuda":
+        if torch.get("checked") is False:
+            return _not_checked("cuda")
         if not torch["ok"]:
             return {"ok": False, "error": f"needs torch ({torch['error']})"}
         return {"ok": True} if torch.get("cuda_available") else {"ok": False,
@@ -415,13 +481,17 @@ def missing(facts: Facts, required: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _row(item: Facts, label: str, detail: str = "") -> str:
-    mark = "[X]" if item["ok"] else "[ ]"
+    mark = {True: "[X]", None: "[?]"}.get(item["ok"], "[ ]")
     if not item["ok"]:
         return f"    {mark} {label}: {item.get('error') or 'not available'}"
     return f"    {mark} {label}{f' {detail}' if detail else ''}"
 
 
 def _framework_detail(name: str, item: Facts) -> str:
+    if item.get("checked") is False:
+        backend = f", backend: {item['backend']}" if name == "keras" else ""
+        return (f"{item['version']} (installed{backend}; import not checked: --require "
+                f"{name} checks it)")
     if name == "torch":
         if item.get("hip"):
             build = f"ROCm {item['hip']} build"
@@ -497,7 +567,7 @@ def run(as_json: bool, require: Sequence[str], note: Callable[[str], None],
     """``ddlrun --check-build [--json] [--require NAME]``: print, then 0, or
     ``MISSING_EXIT`` with one line naming what is missing."""
     required = parse_required(require)
-    facts = gather() if facts is None else facts
+    facts = gather(probes=probes_for(required)) if facts is None else facts
     lacking = missing(facts, required)
     if as_json:
         facts = {**facts, "required": list(required),

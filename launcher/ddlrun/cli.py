@@ -1,6 +1,8 @@
 """ddlrun command line: ``build_parser()`` -> ``config_from_args()`` (typed, validated, no
-side effects) -> ``main()``: the steps of ``ddlrun.steps``, ``preflight()`` (probe the
-hosts), ``job_inputs()`` (draw the job id, port and secret), ``plan_job()`` (pure), ``act()``
+side effects, no file read: the hostfile, rankfile and the program's ``#!`` line come read
+by ``steps.read_files``) -> ``main()``: the steps of ``ddlrun.steps``, ``preflight()``
+(probe the hosts), ``check_program()`` (a missing script or module, before any rank),
+``job_inputs()`` (draw the job id, port and secret), ``plan_job()`` (pure), ``act()``
 (print for --dry-run, or supervise), with one output sink.
 
 Host precedence: ``-H`` or ``--hostfile`` (not both), else ``--nnodes N`` (> 1) or
@@ -9,9 +11,13 @@ Host precedence: ``-H`` or ``--hostfile`` (not both), else ``--nnodes N`` (> 1) 
 ddlrun runs in, else this host (``-n N`` local ranks). ``--launcher auto`` picks slurm/lsf
 inside an allocation, ssh when any host is not this one, local otherwise.
 
-Peer launchers' spellings (torchrun, horovodrun, mpirun, DeepSpeed) are aliases of the same
-option, or rejected in one line naming ddlrun's (``_Reject``); options are never
-abbreviated; ``--ddloption``/``--mpiarg`` values may start with '-' (``join_dash_values``).
+Peer launchers' spellings (torchrun, horovodrun, mpirun, DeepSpeed, IBM ddlrun) are
+aliases of the same option, accepted where they mean what ddlrun does (``_Choice``:
+``--bind-to none``), or rejected in one line naming ddlrun's (``_Reject``). ``-m`` is
+torchrun's ``--module``; ddl's mode is ``--mode`` (IBM's ``-mode``). Options are never
+abbreviated, an unknown single-dash word is never a short option with a value glued on
+(``_check_merged``: ``-npernodes`` is not ``-n pernodes``), and ``--ddloption``/``--mpiarg``
+values may start with '-' (``join_dash_values``).
 
 Side effects live in the steps, not in the planner: the job id, the free port (a note when
 it is a guess: ``steps.choose_port``), the job's secret (``steps.job_secret_env``) and the
@@ -28,10 +34,10 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from . import check_build, version
+from . import check_build, envs, version
 from .backends import Backend, LaunchOptions, get_backend, is_root
 from .backends.mpirun import parse_mpiargs
-from .config import Config
+from .config import Config, Files
 from .core import validate_job_id
 from .errors import LaunchError, PreflightError, UsageError
 from .hosts import (
@@ -44,10 +50,9 @@ from .hosts import (
     parse_host_list,
     parse_hostfile,
     parse_selection,
-    read_text_lines,
     slurm_hosts,
 )
-from .output import OutputSink, silence
+from .output import OutputSink, parse_ranks, silence
 from .plan import JobPlan, Request, attempt_job_id, parse_rankfile, validate_env_name
 from .reaper import become_subreaper
 from .run import Interrupted, signals_raise
@@ -55,10 +60,12 @@ from .steps import (
     FALLBACK_PORT,
     act,
     check_ddl_env,
+    check_program,
     check_staging,
     job_inputs,
     plan_job,
     preflight,
+    read_files,
     restart_inputs,
     run_cleanup,
 )
@@ -77,6 +84,21 @@ class _Reject(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         raise UsageError(f"{option_string}: {self.message}")
+
+
+class _Choice(argparse.Action):
+    """A peer launcher's flag with a value: the values that mean what ddlrun does are
+    accepted (and change nothing), any other is refused in one line naming ddlrun's way."""
+
+    def __init__(self, option_strings, dest, accepted: tuple[str, ...] = (),
+                 message: str = "", **kw) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, metavar=kw.get("metavar"),
+                         help=argparse.SUPPRESS)
+        self.accepted, self.message = accepted, message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values.lower() not in self.accepted:
+            raise UsageError(f"{option_string} {values}: {self.message}")
 
 
 def _per_host(text: str) -> int | None:
@@ -110,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hosts and slots")
     g.add_argument("--hostfile", help="file of 'host slots=N' or 'host:N' lines")
     g.add_argument("--accelerators", "--nproc-per-node", "--nproc_per_node", "--num_gpus",
-                   "--num-gpus", dest="accelerators", type=_per_host, metavar="N",
+                   "--num-gpus", "-npernode", "--npernode", "-N", dest="accelerators",
+                   type=_per_host, metavar="N",
                    help="ranks per host (default, also 'gpu' or 'auto' as torchrun spells "
                    "it: slots, else GPUs detected, else 1 or -n)")
     g.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", type=int,
@@ -137,8 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--oversubscribe", action=_Reject,
                    message="not needed: ddlrun never binds ranks to cores; give the ranks "
                    "per host with -H host:N, a hostfile's slots=N or --accelerators N")
+    g.add_argument("--bind-to", action=_Choice, metavar="none",
+                   accepted=("none",), message="ddlrun never binds ranks to cores (only "
+                   "GPUs: --bind-gpus); give --bind-to none or leave it out")
+    g.add_argument("--map-by", action=_Choice, metavar="slot",
+                   accepted=("slot",), message="ddlrun places ranks by slot (each host's "
+                   "slots in turn, as --map-by slot); for N ranks per host give --npernode N, "
+                   "for any other placement --rankfile FILE")
     d = p.add_argument_group("DDL topology")
-    d.add_argument("-m", "--mode", help="DDL mode letters (r,n,b,p) or a full spec 'b:4x2'")
+    d.add_argument("--mode", "-mode", help="DDL mode letters (r,n,b,p) or a full spec "
+                   "'b:4x2' (IBM ddlrun's -mode; -m is torchrun's --module)")
     d.add_argument("--racks", type=int, help="number of racks (hosts split evenly)")
     d.add_argument("--aisles", type=int, help="number of aisles (racks split evenly)")
     d.add_argument("--ddloption", action="append", default=[], metavar="OPT",
@@ -187,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-dir", help="write per-rank stdout/stderr under DIR/<job id>/")
     r.add_argument("--tag-output", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix lines with [rank] (default: on)")
+    r.add_argument("--output-ranks", "--local-ranks-filter", "--local_ranks_filter",
+                   dest="output_ranks", type=parse_ranks, metavar="LIST",
+                   help="show only these ranks' output, e.g. 0 or 0,2-3 (torchrun's "
+                   "--local-ranks-filter, but global ranks); a failing rank is always "
+                   "reported")
     r.add_argument("--timeout", type=float, help="seconds for the whole job")
     r.add_argument("--start-timeout", type=float, default=30.0,
                    help="seconds for ssh/preflight per host (default 30)")
@@ -197,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "job again, up to N times (default 0; local launcher only)")
     a("-v", "--verbose", action="store_true", help="print the plan and commands")
     a("--version", action="version", version=f"ddlrun (powerddl) {version()}")
+    r.add_argument("-m", "--module", action="store_true",
+                   help="torchrun's: the program is a python module, run as 'python -m "
+                   "MODULE args' on every rank")
+    r.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                   help="torchrun's: run the program as it is, never with python (even a "
+                   "'.py' file)")
     a("program", nargs=argparse.REMAINDER, help="program and its arguments")
     return p
 
@@ -212,6 +254,8 @@ def join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> li
         if tok == "--" or not tok.startswith("-") or tok == "-":
             return out + args[i:]
         action = actions.get(tok)
+        if action is None:
+            _check_merged(actions, tok)
         if action is not None and action.nargs != 0 and i + 1 < len(args):
             if tok in DASH_VALUES:
                 out.append(f"{tok}={args[i + 1]}")
@@ -222,6 +266,20 @@ def join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> li
         out.append(tok)
         i += 1
     return out
+
+
+def _check_merged(actions: Mapping[str, argparse.Action], tok: str) -> None:
+    """A single-dash word ddlrun does not know (``-npernodes``, ``-bind-to``) is not read
+    as a short option with its value glued on (``-n pernodes``), argparse's habit: only a
+    value that fits the short option is (``-n4``, ``-Hh1:2``, ``-xKEY=1``)."""
+    if tok.startswith("--") or len(tok) < 3 or tok.partition("=")[0] in actions:
+        return  # a long option, or one with its value after '=' (-mode=b)
+    short = actions.get(tok[:2])
+    if short is None:
+        return
+    glued = tok[2:]
+    if short.nargs == 0 or (short.type in (int, float, _per_host) and not glued[0].isdigit()):
+        raise UsageError(f"unknown option {tok} (ddlrun --help lists them)")
 
 
 def parse_args(argv: Sequence[str] | None = None,
@@ -235,18 +293,20 @@ def _positive(value, name: str) -> None:
         raise UsageError(f"{name} must be at least 1, got {value}")
 
 
-def with_interpreter(program: list[str], python: str) -> list[str]:
-    """``ddlrun -n 2 train.py`` (torchrun's habit): a ``.py`` program that is not an
-    executable script with a ``#!`` line runs with ``python``."""
-    if not program or not program[0].endswith(".py"):
-        return program
-    path = program[0]
-    try:
-        with open(path, "rb") as f:
-            shebang = f.read(2) == b"#!"
-    except OSError:
-        shebang = False
-    if shebang and os.access(path, os.X_OK):
+def program_argv(program: Sequence[str], python: str, module: bool = False,
+                 no_python: bool = False, runs_itself: bool = False) -> list[str]:
+    """The ranks' argv, torchrun's way: ``-m MODULE args`` runs ``python -m MODULE args``,
+    ``--no-python`` runs the program as it is, and a ``.py`` program that does not run
+    itself (``runs_itself``: an executable with a ``#!`` line, ``steps.read_files``) runs
+    with ``python`` (``ddlrun -n 2 train.py``)."""
+    program = list(program)
+    if module and no_python:
+        raise UsageError("give -m/--module or --no-python, not both")
+    if module:
+        if not program:
+            raise UsageError("-m/--module needs a module: ddlrun [options] -m MODULE [args...]")
+        return [python, "-m", *program]
+    if no_python or not program or not program[0].endswith(".py") or runs_itself:
         return program
     return [python, *program]
 
@@ -314,10 +374,8 @@ def select_hosts(hosts: tuple[HostSpec, ...], include, exclude) -> tuple[HostSpe
     return hosts
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
-    program = list(args.program)
-    if program and program[0] == "--":
-        program = program[1:]
+def _check_values(args: argparse.Namespace) -> None:
+    """Each option's own value, and the options that exclude each other."""
     for value, name in ((args.nproc, "-n"), (args.accelerators, "--accelerators"),
                         (args.racks, "--racks"), (args.aisles, "--aisles"),
                         (args.nnodes, "--nnodes")):
@@ -330,18 +388,35 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         raise UsageError("give -H or --hostfile, not both")
     if args.include and args.exclude:
         raise UsageError("give --include or --exclude, not both")
+
+
+def _check_run_values(args: argparse.Namespace) -> None:
+    """The ssh port, the interface name and the times."""
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        raise UsageError(f"--ssh-port {args.ssh_port} is out of range 1-65535")
+    if args.network_interface and not IFACE.fullmatch(args.network_interface):
+        raise UsageError(f"--network-interface {args.network_interface!r} is not an interface "
+                         "name")
+    for t, name in ((args.timeout, "--timeout"), (args.start_timeout, "--start-timeout")):
+        if t is not None and not (math.isfinite(t) and t > 0):  # nan would disable it
+            raise UsageError(f"{name} must be a positive number of seconds, got {t:g}")
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise UsageError(f"--grace must be 0 or more seconds, got {args.grace:g}")
+
+
+def _launcher_asked(args: argparse.Namespace) -> tuple[str, bool]:
+    """(--launcher or its horovodrun alias, whether --gloo was given)."""
     launcher = args.launcher or "auto"
     if args.launcher_alias:
         alias = "--mpi" if args.launcher_alias == "mpirun" else "--gloo"
         if args.launcher and args.launcher != "auto":
             raise UsageError(f"give {alias} or --launcher, not both")
         launcher = "mpirun" if args.launcher_alias == "mpirun" else "auto"
-    gloo = args.launcher_alias == "gloo"
-    master_addr, master_port = args.master_addr, args.master_port
-    if args.rdzv_endpoint:
-        addr, port = parse_endpoint(args.rdzv_endpoint)
-        master_addr = master_addr or addr
-        master_port = master_port or port
+    return launcher, args.launcher_alias == "gloo"
+
+
+def is_per_node(args: argparse.Namespace) -> bool:
+    """One ddlrun per node (torchrun-style): --nnodes N > 1 or --node-rank, without hosts."""
     given_hosts = bool(args.hosts or args.hostfile)
     per_node = not given_hosts and (args.node_rank is not None or (args.nnodes or 1) > 1)
     if args.standalone and (per_node or given_hosts):
@@ -349,61 +424,64 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     if args.node_rank is not None and given_hosts:
         raise UsageError("--node-rank is for one ddlrun per node (without -H/--hostfile); "
                          "with -H or --hostfile one ddlrun starts every host")
-    accelerators = args.accelerators
-    nproc = args.nproc
-    allocation = None
-    if per_node:
-        nnodes = args.nnodes
-        if nnodes is None:
-            raise UsageError("--node-rank needs --nnodes N (the number of nodes)")
-        node_rank = args.node_rank or 0
-        if not 0 <= node_rank < nnodes:
-            raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes)")
-        if not master_addr:
-            raise UsageError("--nnodes without -H runs one ddlrun per node: give "
-                             "--master-addr (node 0's address, the same on every node)")
-        if launcher not in ("auto", "local"):
-            raise UsageError(f"--launcher {launcher}: one ddlrun per node starts its own "
-                             "node's ranks (local); use -H/--hostfile for ssh or mpirun")
-        if nproc is not None:
-            if accelerators is not None and accelerators * nnodes != nproc:
-                raise UsageError(f"-n {nproc} is not --nnodes {nnodes} x --nproc-per-node "
-                                 f"{accelerators}")
-            if nproc % nnodes:
-                raise UsageError(f"-n {nproc} does not split evenly over --nnodes {nnodes}")
-            accelerators, nproc = check_slots(nproc // nnodes, "-n / --nnodes"), None
-        hosts = (HostSpec("localhost"),)
-        launcher = "local"
-        master_port = master_port or FALLBACK_PORT  # every node must agree: no free pick
-    elif args.hosts:
-        hosts = parse_host_list(args.hosts)
-    elif args.hostfile:
-        hosts = parse_hostfile(read_text_lines(args.hostfile, "--hostfile"), args.hostfile)
-    else:
-        allocation = (detect_allocation(environ)
-                      if launcher in ("auto", "slurm", "lsf") and not gloo else None)
-        if allocation == "slurm":
-            hosts = slurm_hosts(environ)
-        elif allocation == "lsf":
-            hosts = lsf_hosts(environ)
-        else:
-            slots = None if args.nproc is None else check_slots(args.nproc, "-n (this host)")
-            hosts = (HostSpec("localhost", slots),)
-    if args.nnodes and not per_node:
-        if len(hosts) < args.nnodes:
-            raise UsageError(f"--nnodes {args.nnodes}: only {len(hosts)} host(s) given")
-        hosts = hosts[: args.nnodes]
-    include = parse_selection(args.include, "--include") if args.include else ()
-    exclude = parse_selection(args.exclude, "--exclude") if args.exclude else ()
-    hosts = select_hosts(hosts, include, exclude)
-    rankfile: tuple = ()
-    if args.rankfile:
-        rankfile = parse_rankfile(read_text_lines(args.rankfile, "--rankfile"),
-                                  args.rankfile)
-    env = []
-    for item in args.env:
-        key, eq, val = item.partition("=")
-        env.append((validate_env_name(key), val if eq else None))
+    return per_node
+
+
+def uses_allocation(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The Slurm/LSF allocation the job's hosts come from: none with -H/--hostfile, one
+    ddlrun per node, --gloo or a launcher of ddlrun's own."""
+    launcher, gloo = _launcher_asked(args)
+    if args.hosts or args.hostfile or is_per_node(args) or gloo:
+        return None
+    return detect_allocation(environ) if launcher in ("auto", "slurm", "lsf") else None
+
+
+def _per_node_layout(args: argparse.Namespace, launcher: str, master_addr: str | None
+                     ) -> tuple[int | None, int]:
+    """One ddlrun per node: (ranks on this node or None for the default, --nnodes)."""
+    nnodes = args.nnodes
+    if nnodes is None:
+        raise UsageError("--node-rank needs --nnodes N (the number of nodes)")
+    node_rank = args.node_rank or 0
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes)")
+    if not master_addr:
+        raise UsageError("--nnodes without -H runs one ddlrun per node: give "
+                         "--master-addr (node 0's address, the same on every node)")
+    if launcher not in ("auto", "local"):
+        raise UsageError(f"--launcher {launcher}: one ddlrun per node starts its own "
+                         "node's ranks (local); use -H/--hostfile for ssh or mpirun")
+    accelerators, nproc = args.accelerators, args.nproc
+    if nproc is not None:
+        if accelerators is not None and accelerators * nnodes != nproc:
+            raise UsageError(f"-n {nproc} is not --nnodes {nnodes} x --nproc-per-node "
+                             f"{accelerators}")
+        if nproc % nnodes:
+            raise UsageError(f"-n {nproc} does not split evenly over --nnodes {nnodes}")
+        accelerators = check_slots(nproc // nnodes, "-n / --nnodes")
+    return accelerators, nnodes
+
+
+def _job_hosts(args: argparse.Namespace, environ: Mapping[str, str], files: Files
+               ) -> tuple[tuple[HostSpec, ...], str | None]:
+    """(hosts from -H, the hostfile's lines or the allocation, else this host; the
+    allocation's name or None), for a job that one ddlrun starts."""
+    if args.hosts:
+        return parse_host_list(args.hosts), None
+    if args.hostfile:
+        return parse_hostfile(files.lines(args.hostfile, "--hostfile"), args.hostfile), None
+    allocation = uses_allocation(args, environ)
+    if allocation == "slurm":
+        return slurm_hosts(environ), allocation
+    if allocation == "lsf":
+        return lsf_hosts(environ, lambda path: files.lines(path, envs.LSB_DJOB_HOSTFILE)
+                         ), allocation
+    slots = None if args.nproc is None else check_slots(args.nproc, "-n (this host)")
+    return (HostSpec("localhost", slots),), None
+
+
+def _auto_launcher(launcher: str, allocation: str | None, hosts: tuple[HostSpec, ...]) -> str:
+    """``--launcher auto``'s pick, and the check that ``local`` has no remote host."""
     if launcher == "auto":
         here = {socket.gethostname(), socket.getfqdn()}
         if allocation:
@@ -415,41 +493,20 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
     if launcher == "local" and not all(is_local(h.name, {socket.gethostname()}) for h in hosts):
         raise UsageError("--launcher local runs on this host only; remove remote hosts or use "
                          "--launcher ssh")
-    program = with_interpreter(program, sys.executable if launcher == "local"
-                               else args.remote_python)
-    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
-        raise UsageError(f"--ssh-port {args.ssh_port} is out of range 1-65535")
-    if args.network_interface and not IFACE.fullmatch(args.network_interface):
-        raise UsageError(f"--network-interface {args.network_interface!r} is not an interface "
-                         "name")
-    for t, name in ((args.timeout, "--timeout"), (args.start_timeout, "--start-timeout")):
-        if t is not None and not (math.isfinite(t) and t > 0):  # nan would disable it
-            raise UsageError(f"{name} must be a positive number of seconds, got {t:g}")
-    if not (math.isfinite(args.grace) and args.grace >= 0):
-        raise UsageError(f"--grace must be 0 or more seconds, got {args.grace:g}")
-    max_restarts = parse_max_restarts(args.max_restarts, launcher, per_node, args.job_id)
-    request = Request(
-        program=tuple(program),
-        hosts=hosts,
-        nproc=nproc,
-        accelerators=accelerators,
-        mode=args.mode,
-        racks=args.racks,
-        aisles=args.aisles,
-        ddloptions=tuple(args.ddloption),
-        no_ddloptions=args.no_ddloptions,
-        env=tuple(env),
-        network_interface=args.network_interface,
-        master_addr=master_addr,
-        tcp=args.tcp,
-        rankfile=rankfile,
-        bind_gpus=args.bind_gpus,
-        include=include,
-        exclude=exclude,
-        nnodes=args.nnodes if per_node else None,
-        node_rank=(args.node_rank or 0) if per_node else None,
-    )
-    options = LaunchOptions(
+    return launcher
+
+
+def _rank_env(args: argparse.Namespace) -> tuple[tuple[str, str | None], ...]:
+    """``-x KEY[=VAL]``: (name, value or None for this shell's)."""
+    env = []
+    for item in args.env:
+        key, eq, val = item.partition("=")
+        env.append((validate_env_name(key), val if eq else None))
+    return tuple(env)
+
+
+def _launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(
         ssh_port=args.ssh_port,
         ssh_identity=args.ssh_identity,
         ssh_config=args.ssh_config,
@@ -464,9 +521,74 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         rankfile_path=os.path.abspath(args.rankfile) if args.rankfile else None,
         cwd=os.getcwd(),
     )
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
+                     files: Files | None = None) -> Config:
+    """The typed, validated config of the command line. Pure: the files it names (the
+    hostfile, the rankfile, LSF's hostfile, the program's ``#!`` line) come read in
+    ``files`` (``steps.read_files``), so a missing or unreadable one is the same one-line
+    error there."""
+    files = files or Files()
+    program = list(args.program)
+    if program and program[0] == "--":
+        program = program[1:]
+    _check_values(args)
+    launcher, _ = _launcher_asked(args)
+    master_addr, master_port = args.master_addr, args.master_port
+    if args.rdzv_endpoint:
+        addr, port = parse_endpoint(args.rdzv_endpoint)
+        master_addr = master_addr or addr
+        master_port = master_port or port
+    per_node = is_per_node(args)
+    accelerators, nproc, nnodes = args.accelerators, args.nproc, None
+    allocation = None
+    if per_node:
+        accelerators, nnodes = _per_node_layout(args, launcher, master_addr)
+        nproc, hosts, launcher = None, (HostSpec("localhost"),), "local"
+        master_port = master_port or FALLBACK_PORT  # every node must agree: no free pick
+    else:
+        hosts, allocation = _job_hosts(args, environ, files)
+        if args.nnodes:
+            if len(hosts) < args.nnodes:
+                raise UsageError(f"--nnodes {args.nnodes}: only {len(hosts)} host(s) given")
+            hosts = hosts[: args.nnodes]
+    include = parse_selection(args.include, "--include") if args.include else ()
+    exclude = parse_selection(args.exclude, "--exclude") if args.exclude else ()
+    hosts = select_hosts(hosts, include, exclude)
+    rankfile = (parse_rankfile(files.lines(args.rankfile, "--rankfile"), args.rankfile)
+                if args.rankfile else ())
+    env = _rank_env(args)
+    launcher = _auto_launcher(launcher, allocation, hosts)
+    python = sys.executable if launcher == "local" else args.remote_python
+    program = program_argv(program, python, args.module, args.no_python,
+                           bool(program) and files.runs_itself(program[0]))
+    _check_run_values(args)
+    max_restarts = parse_max_restarts(args.max_restarts, launcher, per_node, args.job_id)
+    request = Request(
+        program=tuple(program),
+        hosts=hosts,
+        nproc=nproc,
+        accelerators=accelerators,
+        mode=args.mode,
+        racks=args.racks,
+        aisles=args.aisles,
+        ddloptions=tuple(args.ddloption),
+        no_ddloptions=args.no_ddloptions,
+        env=env,
+        network_interface=args.network_interface,
+        master_addr=master_addr,
+        tcp=args.tcp,
+        rankfile=rankfile,
+        bind_gpus=args.bind_gpus,
+        include=include,
+        exclude=exclude,
+        nnodes=nnodes,
+        node_rank=(args.node_rank or 0) if per_node else None,
+    )
     return Config(
         request=request,
-        options=options,
+        options=_launch_options(args),
         launcher=launcher,
         dry_run=args.dry_run,
         check=args.check,
@@ -479,6 +601,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Co
         verbose=args.verbose,
         per_node=per_node,
         max_restarts=max_restarts,
+        output_ranks=args.output_ranks,
     )
 
 
@@ -492,10 +615,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as exc:  # a peer launcher's flag that ddlrun spells otherwise
             OutputSink().note(f"error: {exc}")
             return exc.exit_code
-        return _main(parser, args, OutputSink(tag=args.tag_output))  # the run's one sink
+        sink = OutputSink(tag=args.tag_output, ranks=args.output_ranks)  # the run's one sink
+        return _main(parser, args, sink)
     except BrokenPipeError:  # ddlrun --dry-run ... | head -1
         silence(sys.stdout)
         return 141  # 128 + SIGPIPE, what a shell shows for a writer whose reader left
+
+
+def files_named(args: argparse.Namespace, environ: Mapping[str, str]
+                ) -> tuple[list[tuple[str, str]], str | None]:
+    """The files ``config_from_args`` needs read (``steps.read_files``): ([(path, what)],
+    the ``.py`` program whose ``#!`` line decides whether it needs python)."""
+    named = []
+    if args.hostfile and not args.hosts:
+        named.append((args.hostfile, "--hostfile"))
+    if args.rankfile:
+        named.append((args.rankfile, "--rankfile"))
+    lsf_file = environ.get(envs.LSB_DJOB_HOSTFILE)
+    if lsf_file and uses_allocation(args, environ) == "lsf":
+        named.append((lsf_file, ""))
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    script = program[0] if program and program[0].endswith(".py") else None
+    return named, None if args.module or args.no_python else script
 
 
 def warn_unset(cfg: Config, environ: Mapping[str, str], sink: OutputSink) -> None:
@@ -515,7 +656,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
             return check_build.run(args.json, args.require, sink.note)
         if args.json or args.require:
             raise UsageError("--json and --require go with --check-build")
-        cfg = config_from_args(args, os.environ)
+        cfg = config_from_args(args, os.environ, read_files(*files_named(args, os.environ)))
         if cfg.cleanup:
             return run_cleanup(cfg.job_id, sink)
         if not cfg.request.program and not cfg.check:
@@ -528,6 +669,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
             facts = preflight(cfg, backend, sink, os.environ)
         if cfg.check:
             return 0
+        if not cfg.dry_run:
+            check_program(cfg, os.environ)
         inputs = job_inputs(cfg, facts, os.environ)
         for note in inputs.notes:
             sink.note(note)

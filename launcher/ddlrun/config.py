@@ -1,9 +1,11 @@
 """The launcher's typed configuration: what ``cli.config_from_args`` makes of the
-command line, and what the steps (``steps``) read."""
+command line, and what the steps (``steps``) read; ``Files``: what the files the command
+line names hold, read by ``steps.read_files`` before it (``config_from_args`` reads none)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from .backends.base import LaunchOptions
 from .plan import Request
@@ -25,3 +27,22 @@ class Config:
     verbose: bool = False
     per_node: bool = False  # one ddlrun per node (--nnodes/--node-rank, torchrun-style)
     max_restarts: int = 0  # --max-restarts: starts of the whole job after a failure
+    output_ranks: frozenset[int] | None = None  # --output-ranks: shown on the terminal
+
+
+@dataclass(frozen=True)
+class Files:
+    """The files a command line names, read: each path's lines (a hostfile, a rankfile,
+    LSF's hostfile) and the programs that run themselves (an executable with a ``#!``
+    line: ``ddlrun train.py`` then needs no interpreter)."""
+
+    texts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    self_running: frozenset[str] = frozenset()
+
+    def lines(self, path: str, what: str) -> list[str]:
+        if path not in self.texts:
+            raise LookupError(f"{what} {path} was not read (steps.read_files reads it)")
+        return list(self.texts[path])
+
+    def runs_itself(self, program: str) -> bool:
+        return program in self.self_running

@@ -1,4 +1,6 @@
-"""The steps of a run after the command line: ``preflight()`` (probe the hosts),
+"""The steps of a run around the command line: ``read_files()`` (what the files it names
+hold, for the pure ``cli.config_from_args``), ``preflight()`` (probe the hosts),
+``check_program()`` (a missing script or module fails before any rank starts),
 ``job_inputs()`` (draw the job id, the port and the secret: the side effects planning
 needs), ``plan_job()`` (pure: ``plan.make_plan``), ``act()`` (print the plan for --dry-run,
 or run it under ``run.supervise``), and the modes that run no job (--cleanup).
@@ -7,10 +9,13 @@ Side effects live here and in the backends, never in the planner.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -21,10 +26,10 @@ from dataclasses import dataclass
 from . import core, envs
 from .backends import Backend
 from .backends.ssh import AgentBackend, SshBackend
-from .config import Config
+from .config import Config, Files
 from .errors import PreflightError, UsageError
 from .events import RankExit, describe_code
-from .hosts import HostSpec, is_local
+from .hosts import HostSpec, is_local, read_text_lines
 from .output import OutputSink, log_paths
 from .plan import (
     Attempt,
@@ -187,6 +192,81 @@ def sweep_at_start(sink: OutputSink) -> None:
                   f"({mib(sum(size for _, size in swept))}; see ddlrun --cleanup)")
 
 
+# ---------------------------------------------------------------------------- files
+def runs_itself(path: str) -> bool:
+    """Whether a ``.py`` program runs without an interpreter: executable, with a ``#!``."""
+    try:
+        with open(path, "rb") as f:
+            shebang = f.read(2) == b"#!"
+    except OSError:
+        return False
+    return shebang and os.access(path, os.X_OK)
+
+
+def read_files(named: Sequence[tuple[str, str]], script: str | None = None) -> Files:
+    """Read what ``cli.config_from_args`` needs of the files the command line names:
+    ``named`` as (path, what) pairs, each one's lines (a UsageError naming ``what path``
+    when it cannot be read or is not UTF-8), and whether ``script`` runs itself."""
+    texts = {path: tuple(read_text_lines(path, what)) for path, what in named}
+    return Files(texts, frozenset({script} if script and runs_itself(script) else ()))
+
+
+# python's options that take the next word as their value (``python -W error x.py``)
+_PYTHON_VALUED = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+
+
+def python_target(argv: Sequence[str]) -> tuple[str, str] | None:
+    """What a ``python ...`` argv runs: ("file", path), ("module", name), or None for
+    ``-c``, stdin or nothing at all."""
+    words = iter(argv[1:])
+    for word in words:
+        if word == "--":
+            path = next(words, None)
+            return ("file", path) if path else None
+        if word == "-" or word.startswith("-c"):
+            return None
+        if word.startswith("-m"):
+            name = word[2:] or next(words, None)
+            return ("module", name) if name else None
+        if word in _PYTHON_VALUED:
+            next(words, None)
+        elif not word.startswith("-"):
+            return "file", word
+    return None
+
+
+def check_program(cfg: Config, environ: Mapping[str, str]) -> None:
+    """Before any rank starts: a python program's file, or its ``-m`` module, exists,
+    told in one line as python's own "can't open file" (UsageError). Only a job on this
+    host is checked (another host's files cannot be seen from here), the module only when
+    the ranks' python is this one and ``-x`` gives them no PATH or PYTHONPATH of their own."""
+    program = cfg.request.program
+    if cfg.launcher != "local" or not program or not is_python(program[0]):
+        return
+    target = python_target(program)
+    cwd = cfg.options.cwd or os.getcwd()
+    if target is None:
+        return
+    kind, name = target
+    if kind == "file":
+        path = os.path.join(cwd, name)
+        if not os.path.exists(path):
+            raise UsageError(f"{program[0]}: can't open file {path!r}: [Errno 2] No such "
+                             "file or directory; no rank was started")
+        return
+    python = shutil.which(program[0], path=environ.get("PATH"))
+    if (python is None or os.path.abspath(python) != os.path.abspath(sys.executable)
+            or any(key in ("PATH", "PYTHONPATH") for key, _ in cfg.request.env)):
+        return
+    top = name.split(".")[0]
+    search = [cwd, *environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]]
+    if (top in sys.builtin_module_names or importlib.util.find_spec(top) is not None
+            or importlib.machinery.PathFinder.find_spec(top, [p for p in search if p])
+            is not None):
+        return
+    raise UsageError(f"{program[0]}: No module named {top}; no rank was started")
+
+
 # ---------------------------------------------------------------------------- preflight
 def gather_facts(cfg: Config, backend, ports: Sequence[int] = ()
                  ) -> tuple[dict[str, HostFacts], list[ProbeResult]]:
@@ -281,26 +361,22 @@ def choose_port(cfg: Config, facts: Mapping[str, HostFacts],
                            f"({why}); give --master-port to choose")
 
 
-def secret_for(cfg: Config, environ: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
-    """The variables carrying the job's secret, and a warning when the job has none."""
+def secret_for(cfg: Config, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables carrying the job's secret. With one ddlrun per node, every node's
+    ddlrun must hand the same secret, so only the user's can be that; without one the job
+    runs open, and rank 0's ddl says so in one line for the whole job (a warning from each
+    node's ddlrun too would repeat it)."""
     if not cfg.per_node:
-        return job_secret_env(cfg.request, environ), None
-    # every node's ddlrun must hand the same secret: only the user's can be that
-    theirs = {k: environ[k] for k in envs.SECRET_SOURCES if environ.get(k)}
-    if theirs or any(k in envs.SECRET_SOURCES for k, _ in cfg.request.env):
-        return theirs, None
-    return {}, ("warning: no DDL_JOB_SECRET or DDL_JOB_SECRET_FILE in this environment: the "
-                "job's rendezvous is open to anyone who can reach MASTER_ADDR:MASTER_PORT (set "
-                "one, the same on every node)")
+        return job_secret_env(cfg.request, environ)
+    return {k: environ[k] for k in envs.SECRET_SOURCES if environ.get(k)}
 
 
 def job_inputs(cfg: Config, facts: Mapping[str, HostFacts],
                environ: Mapping[str, str]) -> JobInputs:
     """Draw the job id, the port and the secret (the side effects of planning)."""
     port, port_note = choose_port(cfg, facts)
-    secret_env, secret_note = secret_for(cfg, environ)
-    notes = tuple(n for n in (port_note, secret_note) if n)
-    return JobInputs(cfg.job_id or new_job_id(), port, secret_env, notes)
+    notes = (port_note,) if port_note else ()
+    return JobInputs(cfg.job_id or new_job_id(), port, secret_for(cfg, environ), notes)
 
 
 def restart_inputs(cfg: Config, first: JobInputs, attempt: int,
@@ -313,8 +389,8 @@ def restart_inputs(cfg: Config, first: JobInputs, attempt: int,
     here."""
     run_id = first.run_id or first.job_id
     port = cfg.master_port or pick()
-    secret_env, _ = secret_for(cfg, environ)
-    return JobInputs(attempt_job_id(run_id, attempt), port, secret_env, (), attempt, run_id)
+    return JobInputs(attempt_job_id(run_id, attempt), port, secret_for(cfg, environ), (),
+                     attempt, run_id)
 
 
 def plan_job(cfg: Config, facts: Mapping[str, HostFacts], inputs: JobInputs,

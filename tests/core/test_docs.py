@@ -196,3 +196,78 @@ def test_every_module_is_on_the_architecture_map():
                for path in sorted((ROOT / base).rglob("*.py"))
                if (rel := str(path.relative_to(ROOT))) not in named]
     assert not missing, f"modules missing from docs/architecture.md: {missing}"
+
+
+def layer_blocks(text: str) -> list[list[frozenset[str]]]:
+    """The code blocks of docs/architecture.md's "Layers" section, each a list of layers
+    top to bottom; a layer is a set of modules. ``a.b.c | d | e`` abbreviates siblings of
+    ``a.b.c``; text after two spaces is commentary."""
+    section = text.split("\n## Layers", 1)[1].split("\n## ", 1)[0]
+    blocks = []
+    for block in section.split("```")[1::2]:
+        layers = []
+        for line in block.splitlines()[1:]:
+            body = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+            if not body or not body.startswith(("ddl", "(")):
+                continue
+            if body.startswith("("):
+                continue
+            names = [n.strip() for n in body.split("|")]
+            parent = names[0].rsplit(".", 1)[0]
+            layers.append(frozenset(n if "." in n else f"{parent}.{n}" for n in names))
+        blocks.append(layers)
+    return blocks
+
+
+def contract_layers() -> list[list[frozenset[str]]]:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return [[frozenset(n.strip() for n in layer.split("|")) for layer in c["layers"]]
+            for c in contracts["contracts"] if c["type"] == "layers"]
+
+
+def test_the_layers_on_the_architecture_page_are_the_contracts():
+    """Every layers contract in pyproject.toml is drawn on docs/architecture.md, layer by
+    layer, and the page draws no layer the contracts do not hold."""
+    drawn = layer_blocks((DOCS / "architecture.md").read_text())
+    declared = contract_layers()
+    assert len(declared) >= 3
+    assert drawn == declared, f"drawn: {drawn}\ndeclared: {declared}"
+
+
+def test_a_layer_drawn_wrong_is_found():
+    page = ("\n## Layers\n\n```\nddl.a\nddl.b.c | d            note\n(aside)\nddl.e\n```\n"
+            "\n## Next\n```\nddl.z\n```\n")
+    assert layer_blocks(page) == [[frozenset({"ddl.a"}), frozenset({"ddl.b.c", "ddl.b.d"}),
+                                   frozenset({"ddl.e"})]]
+
+
+def test_every_test_folder_is_on_the_architecture_page():
+    """The page's test map names every folder of tests/ that holds tests."""
+    page = (DOCS / "architecture.md").read_text()
+    folders = sorted({p.parent.relative_to(ROOT).as_posix() + "/"
+                      for p in (ROOT / "tests").rglob("test_*.py")})
+    missing = [f for f in folders if f not in page]
+    assert not missing, f"test folders missing from docs/architecture.md: {missing}"
+
+
+def test_every_function_the_architecture_page_names_exists():
+    """Each ``file.py: name`` on docs/architecture.md (the path of one allreduce) is a real
+    function or class of that module, so the page cannot point at code that moved."""
+    import ast
+
+    refs = re.findall(r"`([\w/]+\.py): ([\w.]+)`", (DOCS / "architecture.md").read_text())
+    assert len(refs) >= 10, refs
+    wrong = []
+    for path, name in refs:
+        tree = ast.parse((ROOT / "ddl-core" / "ddl" / path).read_text())
+        scope: list[ast.stmt] = tree.body
+        for part in name.split("."):
+            found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and n.name == part]
+            if not found:
+                wrong.append(f"{path}: {name}")
+                break
+            scope = found[0].body
+    assert not wrong, f"docs/architecture.md names what is not there: {wrong}"

@@ -22,6 +22,7 @@ import numpy as np
 import ddl
 import ddl.hvd.arrays, ddl.hvd.collectives, ddl.hvd.compression, ddl.hvd.fusion
 import ddl.hvd.join, ddl.hvd.lifecycle, ddl.hvd.negotiate, ddl.hvd.settings
+import ddl.hvd.control, ddl.hvd.descriptor, ddl.hvd.fold, ddl.hvd.named
 from ddl.hvd import collectives as C, lifecycle
 
 lifecycle.init()

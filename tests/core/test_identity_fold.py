@@ -1,7 +1,7 @@
 """The identity exchange folded into each call's first step (issue 13): a Horovod-level call
 costs no collective of its own, on one host (the shared-memory engine's first step) and
 across hosts (the first message, engines/identity_round.py), and every safety property of
-the separate exchange still holds (negotiate's module docstring)."""
+the separate exchange still holds (ddl.hvd.fold's module docstring)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The layers (pyproject.toml's import-linter contracts: the core's, ddl-perf's, ddlrun's)
 hold, imports inside functions included: the contracts are checked here so that CI fails
-when one breaks. ddlrun and ddl.perf also have no import cycle at all, a module the
-contracts do not name included (``test_no_import_cycle``)."""
+when one breaks. ddlrun and ddl (ddl.perf and the adapters too) also have no import cycle
+at all, a module the contracts do not name included (``test_no_import_cycle``); deptry
+checks the declared dependencies against the imports."""
 
 import ast
 import os
@@ -114,7 +115,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("root,package", [("launcher", "ddlrun"), ("ddl-core", "ddl.perf")])
+@pytest.mark.parametrize("root,package", [("launcher", "ddlrun"), ("ddl-core", "ddl")])
 def test_no_import_cycle(root, package):
     graph = import_graph(os.path.join(ROOT, root), package)
     assert len(graph) > 5, graph  # the package was found
@@ -130,3 +131,28 @@ def test_a_cycle_through_a_function_level_import_is_reported(tmp_path):
     (pkg / "b.py").write_text("def g():\n    from . import a\n    return a.f\n")
     (pkg / "c.py").write_text("from pkg import a\n")
     assert cycles(import_graph(str(tmp_path), "pkg")) == [["pkg.a", "pkg.b"]]
+
+
+# ------------------------------------------------------------------------ dependencies
+def test_declared_dependencies_match_the_imports():
+    """deptry ([tool.deptry] in pyproject.toml): no declared dependency unused, no import
+    undeclared, no dev tool imported by the library."""
+    exe = shutil.which("deptry", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.fail("deptry is missing: make install puts it into .venv (the dev extra)")
+    out = subprocess.run([exe, ".", "--no-ansi"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+def test_an_undeclared_import_is_reported(tmp_path):
+    """The check can fail: a project that imports a module it does not declare."""
+    exe = shutil.which("deptry", path=os.path.dirname(sys.executable))
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "p"\nversion = "0"\ndependencies = ["numpy"]\n')
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "__init__.py").write_text("import numpy\nimport rich\n")
+    out = subprocess.run([exe, ".", "--no-ansi"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0
+    assert "DEP003 'rich'" in out.stdout + out.stderr or "DEP001 'rich'" in out.stdout + out.stderr

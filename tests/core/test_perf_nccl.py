@@ -81,6 +81,29 @@ def test_busbw_of_the_older_harness_is_the_allreduce_one():
     assert ar.busbw(10**9, 1.0, 1, "broadcast") == pytest.approx(1.0)
 
 
+def test_the_multihost_benchmarks_rows_use_the_same_busbw():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from allreduce_worker import Result, table
+    finally:
+        sys.path.pop(0)
+    r = Result("ddl", 4, 10**9, 0.5, (0.5,), True)
+    assert r.busbw == ar.busbw(10**9, 0.5, 4) == pytest.approx(3.0)
+    gloo = Result("gloo", 4, 10**9, 1.0, (1.0,), True)
+    assert table([r, gloo], ["ddl", "gloo"]).splitlines()[1].split() == [
+        "4", "1000000000", "B", "500000.0", "3.00", "1000000.0", "1.50", "2.00x"]
+
+
+def test_element_types_are_ddls_own_dtypes_under_nccl_tests_names():
+    from ddl import dtypes
+
+    assert ar.DTYPES["float"].dtype is dtypes.BY_NAME["float32"]
+    assert ar.DTYPES["half"].numpy == "float16" and ar.DTYPES["half"].torch == "float16"
+    assert ar.DTYPES["bfloat16"].numpy == "" and ar.itemsize(ar.DTYPES["bfloat16"]) == 2
+    assert [ar.itemsize(ar.DTYPES[n]) for n in ("int8", "int32", "double")] == [1, 4, 8]
+    assert not ar.DTYPES["uint64"].is_float and ar.parse_dtype("fp32") is ar.DTYPES["float"]
+
+
 def test_rows_and_header_are_byte_for_byte_nccl_tests():
     assert ar.table_header() == NCCL_HEADER
     zero = ar.Timing(135.8e-6, 0.0, 0.0, 0)

@@ -6,6 +6,7 @@ table, JSON and PNG, and plot from a real allreduce --json."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddl.perf import cli, models, plot, scale, train
+from ddl.perf import cli, models, plot, scale, train, train_data
 
 torch = pytest.importorskip("torch")
 try:
@@ -31,6 +32,11 @@ TINY_GPT = ["--model", "gpt2", "--layers", "1", "--width", "32", "--heads", "2",
 TINY_RESNET = ["--model", "resnet50", "--width", "8", "--image-size", "32", "--batch", "4"]
 FEW = ["--steps", "3", "--warmup", "1", "--rounds", "1"]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+# the older side-by-side comparison of DDP and the DistributedOptimizer: a benchmark script
+SIDE_BY_SIDE = Path(__file__).resolve().parents[2] / "benchmarks" / "train_side_by_side.py"
+_spec = importlib.util.spec_from_file_location("train_side_by_side", SIDE_BY_SIDE)
+side_by_side = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(side_by_side)
 ENV.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
@@ -149,9 +155,10 @@ def test_scale_document_and_table():
 def test_side_by_side_table_splits_ddps_own_copies_from_its_communication():
     ms = {"compute": 25, "ddp-nocomm": 41, "ddp-gloo": 80, "ddp-ddl": 46,
           "ddp-view-nocomm": 34, "ddp-ddl-view": 39, "hvd-ddl": 38.5}
-    res = {"median_s": {k: v / 1e3 for k, v in ms.items()} | {k: 0.01 for k in train.COMM},
+    res = {"median_s": {k: v / 1e3 for k, v in ms.items()}
+           | {k: 0.01 for k in side_by_side.COMM},
            "params": 10, "bytes": 40, "ranks": 2, "buckets": 4, "ddp_ddl_equals_gloo": True}
-    rows = {ln.split()[0]: ln.split()[1:] for ln in train.format_table(res).splitlines()
+    rows = {ln.split()[0]: ln.split()[1:] for ln in side_by_side.format_table(res).splitlines()
             if ln.startswith("  ")}
     # step, exposed (step - compute), DDP's own (its no-comm twin - compute), comm (the rest)
     assert rows["ddp-ddl"][:4] == ["46.0", "21.0", "16.0", "5.0"]
@@ -163,7 +170,7 @@ def test_side_by_side_table_splits_ddps_own_copies_from_its_communication():
     # a result written before the no-comm modes existed still prints
     old = {**res, "median_s": {k: v for k, v in res["median_s"].items()
                                if "nocomm" not in k and "view" not in k}}
-    assert "ddp-ddl" in train.format_table(old)
+    assert "ddp-ddl" in side_by_side.format_table(old)
 
 
 def test_train_flags_round_trip_through_the_forwarded_argv():
@@ -230,7 +237,7 @@ def test_bad_train_requests_are_refused_with_the_flag(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         train.config_from_args(_train_args("--data", str(tmp_path / "nope")))
     with pytest.raises(ValueError, match="no .jpg, .jpeg, .png or .npy file"):
-        train.scan_data(tmp_path, models.ModelSpec("resnet50"))
+        train_data.scan_data(tmp_path, models.ModelSpec("resnet50"))
     res = subprocess.run(_perf("train", "--batch", "0"), capture_output=True, text=True,
                          env=ENV, timeout=60)
     assert res.returncode == 2 and "--batch 0: must be >= 1" in res.stderr
@@ -383,13 +390,13 @@ def test_two_rank_ddlrun_job_reports_every_rank_and_the_total(tmp_path):
 def test_side_by_side_comparison_runs_every_mode_with_buckets_moved(tmp_path):
     out = tmp_path / "side.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DDL_TORCH_SHARE_BYTES": "64K"}
-    res = subprocess.run([sys.executable, "-m", "ddl.perf.train", "--ranks", "2", "--steps",
+    res = subprocess.run([sys.executable, str(SIDE_BY_SIDE), "--ranks", "2", "--steps",
                           "3", "--warmup", "2", "--rounds", "1", "--width", "256",
                           "--comm-reps", "2", "--json", str(out)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert set(train.MODES) | set(train.COMM) <= set(doc["median_s"])
+    assert set(side_by_side.MODES) | set(side_by_side.COMM) <= set(doc["median_s"])
     # both DDP bucket modes on ddl, their buckets moved into the heap, equal DDP on gloo
     assert doc["ddp_ddl_equals_gloo"] is True
     assert doc["ddp_buckets_in_heap"] >= 2  # one per DDP-on-ddl model at least, every rank
@@ -404,9 +411,9 @@ def test_data_dir_of_npy_arrays_and_images_is_read_with_a_dataloader(tmp_path):
         (npy / cls).mkdir(parents=True)
         for i in range(4):
             np.save(npy / cls / f"{i}.npy", rng.integers(0, 255, (36, 36, 3), dtype=np.uint8))
-    samples, what = train.scan_data(npy, models.ModelSpec("resnet50"))
+    samples, what = train_data.scan_data(npy, models.ModelSpec("resnet50"))
     assert len(samples) == 8 and {c for _, c in samples} == {0, 1} and "2 class(es)" in what
-    x, label = train.ImageData(samples, 32)[5]
+    x, label = train_data.ImageData(samples, 32)[5]
     assert x.shape == (3, 32, 32) and label == 1 and 0.0 <= float(x.min()) <= 1.0
     out = tmp_path / "npy.json"
     _run(_perf("train", *TINY_RESNET, *FEW, "--data", str(npy), "--num-workers", "1",
@@ -414,7 +421,7 @@ def test_data_dir_of_npy_arrays_and_images_is_read_with_a_dataloader(tmp_path):
     doc = json.loads(out.read_text())
     assert "8 .npy files" in doc["data"] and "1 worker(s)" in doc["data"]
     assert doc["per_rank"][0]["input_s"] > 0 and doc["unit"] == "images"
-    if train.image_library() is None:
+    if train_data.image_library() is None:
         pytest.skip("no image library: --data reads .npy only")
     from PIL import Image
 
@@ -424,11 +431,11 @@ def test_data_dir_of_npy_arrays_and_images_is_read_with_a_dataloader(tmp_path):
         for i in range(3):
             Image.fromarray(rng.integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(
                 img / cls / f"{i}.{ext}")
-    samples, what = train.scan_data(img, models.ModelSpec("resnet50"))
+    samples, what = train_data.scan_data(img, models.ModelSpec("resnet50"))
     assert what.startswith("6 images (JPEG/PNG, decoded with PIL) in 2 class(es)")
     from torch.utils.data import DataLoader  # what train's loader does, without a job
 
-    xs, labels = next(iter(DataLoader(train.ImageData(samples, 32), batch_size=6,
+    xs, labels = next(iter(DataLoader(train_data.ImageData(samples, 32), batch_size=6,
                                       num_workers=1)))
     assert xs.shape == (6, 3, 32, 32) and labels.tolist() == [0, 0, 0, 1, 1, 1]
     assert float(xs.min()) >= 0.0 and float(xs.max()) <= 1.0

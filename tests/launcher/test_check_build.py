@@ -231,6 +231,33 @@ def test_a_crashing_probe_reports_its_exit_and_last_line(tmp_path):
     assert run_probe("torch", 60.0, env) == {"error": "the probe exited 7: boom"}
 
 
+def test_require_imports_only_what_its_checks_need():
+    assert check_build.probes_for(()) == set(check_build.PROBES)  # the whole report
+    assert check_build.probes_for(("nccl", "gloo")) == {"ddl", "mpi", "torch"}
+    assert check_build.probes_for(("keras",)) == {"ddl", "mpi", "tensorflow"}
+    assert check_build.probes_for(("shm", "ssh")) == {"ddl", "mpi"}
+    asked = []
+
+    def probe(name, timeout):
+        asked.append(name)
+        return {"error": "not probed in this test"}
+
+    facts = gather(probe=probe, probes={"ddl"})
+    assert asked == ["ddl"]
+    torch = facts["frameworks"]["torch"]
+    assert torch == {"ok": True, "version": metadata.version("torch"), "checked": False}
+    assert facts["engines"]["gloo"] == {"ok": None,
+                                        "error": "not checked (--require gloo checks it)"}
+    text = render(facts)
+    assert f"    [X] PyTorch {torch['version']} (installed; import not checked" in text
+    assert "    [?] gloo: not checked (--require gloo checks it)" in text
+    assert "    [?] CUDA: not checked (--require cuda checks it)" in text
+    if HAS_TF:
+        tf = facts["frameworks"]["tensorflow"]
+        assert tf["ok"] and tf["checked"] is False and tf["version"] == metadata.version(
+            metadata.packages_distributions()["tensorflow"][0])
+
+
 # ---------------------------------------------------------------------------- real runs
 def _ddlrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*DDLRUN, *args], capture_output=True, text=True, timeout=300,

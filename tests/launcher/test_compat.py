@@ -1,77 +1,22 @@
-"""Familiar flags and forms from torchrun, horovodrun, mpirun and DeepSpeed; the doc's
-"Coming from" table is run row by row with --dry-run."""
+"""Familiar flags and forms from torchrun, horovodrun, mpirun, DeepSpeed and IBM ddlrun
+(the doc's "Coming from" table is run row by row in test_coming_from.py)."""
 
 import json
 import os
-import re
-import shlex
 import stat
 import subprocess
 import sys
 
 import pytest
-from ddlrun_testlib import PY, REPO, ddlrun_argv, run_ddlrun
+from ddlrun_testlib import PY, ddlrun_argv, run_ddlrun
 
 from ddlrun.cli import config_from_args, parse_args
 from ddlrun.errors import UsageError
 from ddlrun.preflight import pick_free_pair
 
-DOC = REPO / "docs" / "launcher.md"
-
 
 def cfg(*argv, environ=None):
     return config_from_args(parse_args(list(argv)), environ or {})
-
-
-# ---------------------------------------------------------------------------- the doc table
-def table_rows():
-    text = DOC.read_text()
-    section = text.split("## Coming from torchrun / horovodrun / mpirun / DeepSpeed", 1)[1]
-    rows = []
-    for line in section.split("\n## ", 1)[0].splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[1].startswith("`") and cells[2].startswith("`"):
-            rows.append((cells[1].strip("`"), cells[2].strip("`"), cells[3]))
-    return rows
-
-
-ROWS = table_rows()
-
-
-def test_the_table_covers_every_tool():
-    tools = {shlex.split(theirs)[0] for theirs, _, _ in ROWS}
-    assert tools == {"torchrun", "horovodrun", "mpirun", "deepspeed"}
-    assert len(ROWS) >= 15
-
-
-def dry(words, cwd):
-    if not any(w.split("=")[0] in ("--job-id", "--rdzv-id") for w in words):
-        words = ["--job-id", "docjob", *words]
-    return subprocess.run(ddlrun_argv("--dry-run", *words), capture_output=True, text=True,
-                          timeout=60, cwd=cwd)
-
-
-def normal(out: str) -> str:
-    out = re.sub(r"MASTER_PORT=\d+", "MASTER_PORT=N", out)  # a free port, picked per run
-    return out.replace(sys.executable, "python")
-
-
-@pytest.mark.parametrize("theirs,ours,note", ROWS, ids=[r[0] for r in ROWS])
-def test_coming_from_table_row(theirs, ours, note, tmp_path):
-    (tmp_path / "hosts").write_text("h1 slots=4\nh2 slots=4\n")
-    their_words, our_words = shlex.split(theirs)[1:], shlex.split(ours)
-    assert our_words[0] == "ddlrun"
-    mine = dry(our_words[1:], tmp_path)
-    assert mine.returncode == 0, mine.stderr
-    got = dry(their_words, tmp_path)
-    if note.startswith("rejected"):
-        assert got.returncode == 2
-        lines = got.stderr.strip().splitlines()
-        assert len(lines) == 1 and "ddlrun" in lines[0], got.stderr
-        return
-    assert got.returncode == 0, got.stderr
-    assert normal(got.stdout) == normal(mine.stdout)
-    assert "job docjob" in got.stdout or "job exp1" in got.stdout
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -161,6 +106,24 @@ def test_per_node_mode_two_launchers_make_one_job(tmp_path):
     assert [r["rank"] for r in reps] == [0, 1] and {r["size"] for r in reps} == {2}
     assert all(r["sum"] == [3.0] * 4 for r in reps)
     assert [r["role"] for r in reps] == ["0", "1"] and {r["job"] for r in reps} == {None}
+
+
+def test_per_node_mode_without_a_secret_warns_once_per_job(tmp_path):
+    """Two nodes' ddlruns and no secret: the open rendezvous is told once, by rank 0's ddl,
+    not by each node's ddlrun besides."""
+    port = pick_free_pair()
+    script = tmp_path / "job.py"
+    script.write_text("import ddl\nddl.init()\nddl.barrier()\nddl.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_JOB_SECRET")}
+    procs = [subprocess.Popen(
+        ddlrun_argv("--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for k in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    said = "".join(out + err for out, err in outs)
+    assert said.count("rendezvous") == 1 and "is open" in said, said
 
 
 # ---------------------------------------------------------------------------- programs
@@ -254,3 +217,53 @@ def test_remote_hosts_probe_the_programs_python_too():
     bad = ProbeResult("h1", {"python_problem": "the program's interpreter 'python3' cannot "
                              "import ddl: ..."}, None)
     assert check([bad]) == ["h1: the program's interpreter 'python3' cannot import ddl: ..."]
+
+
+def test_torchrun_module_and_no_python():
+    c = cfg("--nproc-per-node", "2", "-m", "pkg.train", "--mode", "x")
+    assert c.request.program == (sys.executable, "-m", "pkg.train", "--mode", "x")
+    assert c.request.mode is None  # after the module, the module's
+    assert cfg("--module", "pkg").request.program == (sys.executable, "-m", "pkg")
+    assert cfg("--no-python", "train.py", "-v").request.program == ("train.py", "-v")
+    assert cfg("train.py").request.program == (sys.executable, "train.py")
+    for bad, says in ((("-m",), "needs a module"), (("-m", "--no-python", "p"), "not both")):
+        with pytest.raises(UsageError, match=says):
+            cfg(*bad)
+
+
+def test_ddl_mode_keeps_mode_and_ibms_dash_mode():
+    assert cfg("--mode", "b", "p").request.mode == "b"
+    assert cfg("-mode", "b:2x2", "-n", "4", "p").request.mode == "b:2x2"
+    assert cfg("-mode=n", "p").request.mode == cfg("--mode=n", "p").request.mode == "n"
+
+
+def test_open_mpi_placement_flags():
+    for flag in ("-npernode", "--npernode", "-N"):
+        assert cfg(flag, "2", "p").request.accelerators == 2
+    assert cfg("--bind-to", "none", "--map-by", "slot", "p").request.program == ("p",)
+    for argv, says in ((("--bind-to", "core"), "--bind-gpus"),
+                       (("--bind-to", "socket"), "--bind-gpus"),
+                       (("--map-by", "node"), "--npernode N"),
+                       (("--map-by", "ppr:2:node"), "--rankfile"),
+                       (("-npernodes", "2"), "unknown option -npernodes"),
+                       (("-np2",), "unknown option -np2")):
+        with pytest.raises(UsageError, match=says):
+            cfg(*argv, "p")
+    assert cfg("-n4", "p").request.nproc == 4  # a value glued on a short option still is
+
+
+def test_config_from_args_reads_no_file(tmp_path, monkeypatch):
+    """The hostfile's lines come from ``steps.read_files``; config_from_args opens nothing."""
+    from ddlrun.config import Files
+    from ddlrun.steps import read_files
+
+    path = str(tmp_path / "hosts")
+    opened = []
+    monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a) or 1 / 0)
+    c = config_from_args(parse_args(["--hostfile", path, "p"]), {},
+                         Files({path: ("h1 slots=2", "h2:3")}))
+    assert [(h.name, h.slots) for h in c.request.hosts] == [("h1", 2), ("h2", 3)]
+    assert opened == []
+    monkeypatch.undo()
+    with pytest.raises(UsageError, match=f"cannot read --hostfile {path}"):
+        read_files([(path, "--hostfile")])

@@ -56,7 +56,7 @@ def test_torch_gloo_script_across_hosts(cluster, nhosts, marker):
 
 
 def test_env_contract_across_hosts(cluster, marker):
-    res = ddlrun(cluster, "-H", cluster.hosts(2), "-m", "b", "--ddloption", "-dump_iter 5",
+    res = ddlrun(cluster, "-H", cluster.hosts(2), "--mode", "b", "--ddloption", "-dump_iter 5",
                  PY, WORKER, "env", marker)
     assert res.returncode == 0, res.stderr
     import json

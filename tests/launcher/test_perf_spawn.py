@@ -60,15 +60,16 @@ def test_without_fail_fast_every_rank_runs_to_its_end(tmp_path):
 
 @pytest.mark.slow
 def test_perf_train_ranks_exits_fast_with_the_dead_ranks_code():
-    """``python -m ddl.perf.train --ranks 2``: rank 1 dies at start; rank 0, which would
-    wait DDL_TIMEOUT (120 s) for it at init, is stopped at once."""
+    """``benchmarks/train_side_by_side.py --ranks 2`` (ddl-perf's spawn): rank 1 dies at
+    start; rank 0, which would wait DDL_TIMEOUT (120 s) for it at init, is stopped at once."""
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (DIE_EARLY, os.environ.get("PYTHONPATH")) if p),
         "DDLTEST_DIE_RANK": "1", "DDLTEST_DIE_CODE": "9", "DDL_TIMEOUT": "120"}
     t = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "ddl.perf.train", "--ranks", "2", "--steps",
+    script = str(HERE.parent.parent / "benchmarks" / "train_side_by_side.py")
+    res = subprocess.run([sys.executable, script, "--ranks", "2", "--steps",
                           "1", "--warmup", "0", "--rounds", "1", "--timeout", "200"],
                          env=env, capture_output=True, text=True, timeout=200)
     took = time.monotonic() - t

@@ -52,7 +52,7 @@ def _run(cluster, nhosts, *opts, timeout=300):
 
 @pytest.mark.parametrize("nhosts,mode", [(2, "b"), (3, "r")])
 def test_multidimensional_allreduce_across_hosts(cluster, nhosts, mode):
-    _run(cluster, nhosts, "-m", mode)
+    _run(cluster, nhosts, "--mode", mode)
 
 
 def test_flat_ring_across_hosts(cluster):

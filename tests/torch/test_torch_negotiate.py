@@ -11,46 +11,47 @@ import pytest
 import torch
 
 import ddl.torch as hvd
-from ddl.hvd import negotiate as ng
+from ddl.hvd import control
+from ddl.hvd import descriptor as desc
 
 
 def test_the_name_hash_is_the_same_in_every_process():
-    code = "from ddl.hvd.negotiate import stable_hash; print(stable_hash(b'grad.w'))"
+    code = "from ddl.hvd.descriptor import stable_hash; print(stable_hash(b'grad.w'))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout
             for seed in ("1", "2")}
-    assert outs == {f"{ng.stable_hash(b'grad.w')}\n"}
-    assert 0 < ng.stable_hash(b"x") < 1 << 62  # inside the negation trick's range
+    assert outs == {f"{desc.stable_hash(b'grad.w')}\n"}
+    assert 0 < desc.stable_hash(b"x") < 1 << 62  # inside the negation trick's range
 
 
 def test_layout_leaves_out_first_dimensions_of_gathered_members_and_folds_long_shapes():
-    a = ng.layout([(12, 0, (3, 4)), (13, 0, (5,))], gathering=True)
-    b = ng.layout([(12, 0, (7, 4)), (13, 0, (1,))], gathering=True)
+    a = desc.layout([(12, 0, (3, 4)), (13, 0, (5,))], gathering=True)
+    b = desc.layout([(12, 0, (7, 4)), (13, 0, (1,))], gathering=True)
     assert a == b
-    assert ng.layout([(12, 0, (3, 4))], gathering=False) != ng.layout([(12, 0, (7, 4))],
-                                                                      gathering=False)
-    call = ng.Call(ng.GROUPED_BROADCAST, count=1, layout=ng.layout(
+    assert desc.layout([(12, 0, (3, 4))], gathering=False) != desc.layout(
+        [(12, 0, (7, 4))], gathering=False)
+    call = desc.Call(desc.GROUPED_BROADCAST, count=1, layout=desc.layout(
         [(12, 0, (1,) * 8 + (2, 3))], gathering=False))
     rows = call.members()
-    assert rows[0, 2] == 10 and ng.member_shape(rows, 0) == (1,) * 7 + (6,)
+    assert rows[0, 2] == 10 and desc.member_shape(rows, 0) == (1,) * 7 + (6,)
 
 
 def test_grouped_allreduce_buckets_follow_first_appearance_of_dtype_and_device():
-    rows = ng.Call(ng.GROUPED_ALLREDUCE, count=4, layout=ng.layout(
+    rows = desc.Call(desc.GROUPED_ALLREDUCE, count=4, layout=desc.layout(
         [(12, 0, (2,)), (13, 0, (2,)), (12, 1, (2,)), (12, 0, (3,))],
         gathering=False)).members()
-    assert ng.buckets(rows) == [[0, 3], [1], [2]]
+    assert desc.buckets(rows) == [[0, 3], [1], [2]]
 
 
 def test_calls_are_named_as_the_user_wrote_them():
-    assert ng.Call(ng.ALLREDUCE, int(hvd.Sum), 12, (5, 2)).describe() == (
+    assert desc.Call(desc.ALLREDUCE, int(hvd.Sum), 12, (5, 2)).describe() == (
         "hvd.allreduce(float32[5x2], op=Sum)")
-    assert ng.Call(ng.BROADCAST, 0, 13, (3,), arg=1, name="w").describe() == (
+    assert desc.Call(desc.BROADCAST, 0, 13, (3,), arg=1, name="w").describe() == (
         "hvd.broadcast(float64[3], root_rank=1, name='w')")
-    grouped = ng.Call(ng.GROUPED_ALLGATHER, count=2, layout=ng.layout(
+    grouped = desc.Call(desc.GROUPED_ALLGATHER, count=2, layout=desc.layout(
         [(12, 0, (3, 4)), (6, 0, (2,))], gathering=True))
     assert grouped.describe() == "hvd.grouped_allgather(2 tensors: float32[*x4], int32[*])"
-    assert ng.Call(ng.ALLTOALL, name="a", known=False).describe() == "hvd.alltoall(name='a')"
+    assert desc.Call(desc.ALLTOALL, name="a", known=False).describe() == "hvd.alltoall(name='a')"
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_on_one_rank_failures_and_duplicate_names_raise_and_the_job_goes_on(one_
     assert torch.equal(hvd.synchronize(h), torch.ones(2))
     hvd.allgather(torch.ones(1), name="x")  # free again once waited for
     assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.ones(3))
-    assert ng.calls_issued() == 3  # every unnamed call counted, the failed ones too
+    assert control.calls_issued() == 3  # every unnamed call counted, the failed ones too
 
 
 def test_on_one_rank_shutdown_and_init_cycle(one_rank):

@@ -154,7 +154,8 @@ class DeviceDim:
 
 
 class DeviceEngine:
-    """Collectives on torch tensors of one device type, over per-line process groups."""
+    """Collectives on torch tensors of one device type, over per-line process groups (an
+    ``engines.base.TensorEngine``)."""
 
     def __init__(self, world: World, opts: Options, store, *, backend: str, timeout: float,
                  chunk_bytes: int):

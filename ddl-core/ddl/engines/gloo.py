@@ -123,6 +123,8 @@ class GlooContext:
 
 
 class GlooGroup:
+    """An ``engines.base.PeerGroup`` over a torch Gloo process group."""
+
     name = "gloo"
 
     def __init__(self, ctx: GlooContext, name: str, members: tuple[int, ...], position: int,

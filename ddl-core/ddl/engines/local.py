@@ -12,6 +12,8 @@ from ..tensors import copy_flat
 
 
 class LocalEngine:
+    """``engines.base.Engine`` for one rank: nothing to meet, nothing to check."""
+
     name = "local"
     size = 1
     rank = 0
@@ -19,6 +21,9 @@ class LocalEngine:
 
     def barrier(self) -> None:
         pass
+
+    def refuse(self) -> None:
+        pass  # no peer waits for the refused call
 
     def allreduce(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
         copy_flat(src, dst)

@@ -26,6 +26,8 @@ def _mpi():
 
 
 class MPIContext:
+    """An ``engines.base.PeerContext``: groups split from COMM_WORLD."""
+
     def __init__(self) -> None:
         self.MPI = _mpi()
         self.world = self.MPI.COMM_WORLD
@@ -56,6 +58,8 @@ class MPIContext:
 
 
 class MPIGroup:
+    """An ``engines.base.PeerGroup`` over an MPI communicator."""
+
     name = "mpi"
 
     def __init__(self, MPI, comm, label: str, members: tuple[int, ...], position: int):

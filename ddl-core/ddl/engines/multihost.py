@@ -27,6 +27,7 @@ from ..rendezvous import Rendezvous
 from ..tensors import Pieces, copy_flat
 from ..topology import World
 from . import identity_round
+from .base import PeerContext, PeerGroup
 from .gloo import GlooContext
 from .shm import ShmEngine
 from .shm_meta import (
@@ -58,12 +59,13 @@ def round_covers(dims: list, size: int) -> tuple | None:
 
 class DimsEngine:
     """Collectives of ``size`` ranks: allreduce over ``multidim``, the rest over ``group``
-    (a network group of every member, which this engine owns)."""
+    (a network group of every member, which this engine owns). An ``engines.base.Engine``
+    with the ``IdentityFold`` capability (identities ride on ``identity_round``)."""
 
     heap = None  # ddl.malloc gives private memory here: peers are not all on this host
 
-    def __init__(self, multidim: MultiDim, group, size: int, rank: int, name: str,
-                 host_line=None):
+    def __init__(self, multidim: MultiDim, group: PeerGroup, size: int, rank: int, name: str,
+                 host_line: PeerGroup | None = None):
         """``host_line``: the network group of this rank's counterparts on every host (its
         owner closes it), for a grid whose first dimension is the host's ranks and whose
         others all cross hosts (``grid.host_line``)."""
@@ -267,6 +269,7 @@ class MultiHostEngine(DimsEngine):
         from DDL_JOB_SECRET / DDL_JOB_SECRET_FILE)."""
         self.world = world
         self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
+        self.ctx: PeerContext  # what ddl.new_group makes this job's network groups from
         if transport == "mpi":
             from .mpi import MPIContext
 

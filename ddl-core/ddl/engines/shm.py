@@ -1,13 +1,8 @@
 """The shared-memory engine: collectives among the ranks of one host.
 
-Layout of the per-job control segment ``ddl-<job>-h<host>-ctl`` (keyed, ``-k<key>``, when the
-job has a secret: segments.py)::
-
-    header (4 KiB) | one 2 KiB control block per local rank | staging area
-
-A control block holds the rank's *step counter*, pid, state, global rank (shm_sync) and,
-per parity, a metadata record and a call-identity record (shm_meta). The staging area
-holds, per parity, one slot per rank.
+The ranks meet in a per-job control segment (shm_attach.py: its layout, making and
+attaching, the cross-memory agreement): one control block per local rank and a staging
+area holding, per parity, one slot per rank. This module holds the collective steps.
 
 Protocol. Every collective is a sequence of *steps*. In step ``s`` a rank writes only into
 the parity ``s % 2`` part of its own slot (and its metadata record), then publishes
@@ -28,38 +23,30 @@ Algorithms. Small messages take one step: every rank copies its input into its s
 reduces all inputs itself, in rank order, so every rank computes bitwise the same result.
 Larger ones reduce-scatter then allgather in chunks that fit the staging area: rank ``r``
 reduces part ``r`` of each chunk and publishes the result, while the next chunk's inputs are
-already staged (one synchronisation per chunk). Buffers from ``ddl.malloc`` are read and
-written in place by the peers, which removes both copies.
+already staged (one synchronisation per chunk): shm_chunks.py holds that walk and the
+three places a peer's data is read from (its heap, where buffers from ``ddl.malloc`` are
+read in place; its private memory, by cross-memory copies; its staging slot).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
-from .. import failures, identity
-from ..config import SLOT_MIN, show_size
+from .. import identity
 from ..dtypes import DType
-from ..errors import (
-    DDLConfigError,
-    DDLError,
-    DDLMismatchError,
-    DDLPeerError,
-    DDLShmError,
-    DDLTimeoutError,
-)
+from ..errors import DDLConfigError, DDLError, DDLMismatchError
 from ..grid import even_split
 from ..ops import ReduceOp, reduce_into
 from ..tensors import Pieces
 from . import cma as cma_mod
-from . import segments
+from . import segments, shm_attach
 from .heap import Heap, PeerHeaps
+from .shm_attach import ControlSegment, W, agree_cross_memory, remote_location, staging_slot
+from .shm_chunks import ChunkPlan, read, stage_inputs
 from .shm_meta import (
     ALLGATHER,
     ALLREDUCE,
@@ -88,21 +75,9 @@ from .shm_meta import (
 )
 from .shm_sync import (
     S_ABORTED,
-    S_ATTACHED,
-    S_CLOSED,
-    S_EXITING,
-    S_NONE,
-    W_CMA,
-    W_CMA_OK,
-    W_GRANK,
-    W_PID,
-    W_SEQ,
-    W_STATE,
     Stepper,
     default_policy,
-    pid_alive,
     weakly_ordered,
-    write_reason,
 )
 
 _log = logging.getLogger("ddl")
@@ -110,77 +85,13 @@ _log = logging.getLogger("ddl")
 # __new__ (tuple.__new__ is the same tuple, a third of the cost) and its key word looked up.
 _new = tuple.__new__
 _ALLREDUCE_KEYS = [coll_key(ALLREDUCE, op) for op in range(16)]
-_MAGIC = 0x4C44445F4D485344  # "DSHM_DDL"
-_LAYOUT = 4
-_HDR = 4096
-_BLOCK = 2048
-_W = _BLOCK // 8  # words per control block
-# header words
-H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY = range(6)
-H_TOKEN = segments.TOKEN_OFFSET // 8  # 6: where every segment carries the job's token
+# the control segment's header, under the names tests that write one by hand know
+_MAGIC, _LAYOUT, _HDR, _BLOCK = (shm_attach.MAGIC, shm_attach.LAYOUT, shm_attach.HDR,
+                                 shm_attach.BLOCK)
 
 
-def staging_slot(slot_bytes: int, max_bytes: int, ranks: int) -> int:
-    """Bytes of staging per rank and parity: DDL_SHM_SLOT_BYTES, capped so that the
-    ``2 x ranks`` slots fit in DDL_SHM_MAX_BYTES, in whole pages. DDLConfigError naming the
-    variable at fault when that leaves less than 64 KiB (ddlrun asks this before it starts
-    the ranks)."""
-    slot = min(slot_bytes, max_bytes // (2 * ranks)) // 4096 * 4096
-    if slot >= SLOT_MIN:
-        return slot
-    if slot_bytes < SLOT_MIN:
-        raise DDLConfigError(
-            f"DDL_SHM_SLOT_BYTES={show_size(slot_bytes)} is below the shared-memory engine's "
-            f"minimum staging of {show_size(SLOT_MIN)} per rank and parity: set it to "
-            f"{show_size(SLOT_MIN)} or more"
-        )
-    raise DDLConfigError(
-        f"DDL_SHM_MAX_BYTES={show_size(max_bytes)} leaves {slot} bytes of staging per rank "
-        f"and parity for {ranks} ranks on this host; it needs {show_size(SLOT_MIN)} each: "
-        f"set DDL_SHM_MAX_BYTES={show_size(2 * ranks * SLOT_MIN)} or more"
-    )
-
-
-def _parts(src: np.ndarray | Pieces, lo: int, hi: int) -> list:
-    """``(lo, hi, view)`` for elements ``[lo, hi)`` of ``src``, cut where its pieces end."""
-    if isinstance(src, Pieces):
-        return src.cuts(lo, hi)
-    return [(lo, hi, src[lo:hi])]
-
-
-def _read(src: np.ndarray | Pieces, lo: int, hi: int, out: np.ndarray) -> None:
-    if isinstance(src, Pieces):
-        src.copy_to(lo, hi, out)
-    else:
-        np.copyto(out, src[lo:hi])
-
-
-def _write(dst: np.ndarray | Pieces, lo: int, hi: int, data: np.ndarray) -> None:
-    if isinstance(dst, Pieces):
-        dst.copy_from(lo, hi, data)
-    else:
-        np.copyto(dst[lo:hi], data)
-
-
-class _Chunks(NamedTuple):
-    """How a reduce-scatter (and the allgather after it) walks the data. Rank ``i`` owns
-    the elements ``[starts[i], starts[i] + counts[i])``; chunk ``t`` covers elements
-    ``[t * share, (t + 1) * share)`` of every rank's part. A staged slot holds, for one
-    chunk, ``share`` elements of every part (the inputs its reducers read) and then
-    ``share`` elements of its own reduced part (what the others collect)."""
-
-    share: int
-    chunks: int  # chunks of the largest part
-    counts: list[int]
-    starts: list[int]
-    in_views: list  # peer i's input read in place from its heap, or None (staged)
-    out_views: list  # peer i's output written in place in its heap, or None (it collects)
-    publish: bool  # some rank collects our reduced part from our slot
-    block: int  # elements reduced, then passed on, at a time: while they are in cache
-    in_remote: list  # (pid, address) of peer i's private input, read by cross-memory copy
-    out_remote: list  # (pid, address) of peer i's private output, written likewise
-    scratch: list | None  # one block per peer: what was read from its private input
-    read_in_place: bool  # some rank's input is read where it lives, not from its slot
+def _nothing_waiting() -> bool:
+    return False
 
 
 class ShmEngine:
@@ -209,11 +120,14 @@ class ShmEngine:
         token: int | None = None,
         dump_iter: int = 0,
         cma: bool = False,
+        callers_waiting: Callable[[], bool] | None = None,
     ):
         """``dump_iter``: every this many allreduces, rank 0 logs their time (``-dump_iter``
         of a job on one host; in a multi-host job the multi-dimensional engine does).
         ``cma``: let peers read and write this rank's private buffers (engines/cma.py) when
-        every local rank can; False stages them."""
+        every local rank can; False stages them. ``callers_waiting``: whether some thread
+        is blocked waiting for queued collectives (ddl.runtime), so a collective run off
+        the main thread may spin on the core it leaves idle; None: nothing ever waits."""
         if not 0 <= local_rank < local_size:
             raise DDLConfigError(f"local rank {local_rank} is outside 0..{local_size - 1}")
         self.job_id = segments.validate_job_id(job_id)
@@ -224,7 +138,7 @@ class ShmEngine:
         self.timeout = float(timeout)
         # marks the segment as this job's: a rank never joins a segment of another job
         secret = identity.job_secret()
-        self._token = token if token is not None else identity.segment_token(job_id, secret)
+        token = token if token is not None else identity.segment_token(job_id, secret)
         slot = staging_slot(slot_bytes, max_bytes, n)
         self.slot_bytes = slot
         self.small_bytes = min(small_bytes, slot)
@@ -235,47 +149,29 @@ class ShmEngine:
         self._calls = 0
         self._wall = 0.0
         # scope tells apart the engines of one rank (one per grid line in a multi-host job)
-        self._name = segments.segment_name(job_id, host_index, f"{scope}ctl", secret)
-        self._ctl_bytes = _HDR + n * _BLOCK
-        staging_off = -(-self._ctl_bytes // 4096) * 4096
-        total = staging_off + 2 * n * slot
-        self._mm = self._create_or_attach(total, init_timeout)
-        self._qb = memoryview(self._mm)[: self._ctl_bytes]
-        self._q = self._qb.cast("q")
-        self._view_cache: dict[tuple, tuple] = {}
-        self._fences = weakly_ordered() if fences is None else fences
-        self._staging = np.frombuffer(self._mm, np.uint8, count=2 * n * slot, offset=staging_off)
-        self._slots = [
-            [self._staging[(p * n + i) * slot : (p * n + i + 1) * slot] for i in range(n)]
-            for p in (0, 1)
-        ]
-        self._regions = [self._staging[p * n * slot : (p + 1) * n * slot] for p in (0, 1)]
-        self._blk = [_HDR // 8 + i * _W for i in range(n)]
-        self._my = self._blk[local_rank]
-        self._peers = [i for i in range(n) if i != local_rank]
+        self._seg = seg = ControlSegment(
+            segments.segment_name(job_id, host_index, f"{scope}ctl", secret), job_id=job_id,
+            token=token, rank=local_rank, size=n, global_rank=global_rank, slot=slot,
+            init_timeout=init_timeout)
+        # read on every step: the engine's own references
+        self._slots, self._regions, self._peers = seg.slots, seg.regions, seg.peers
+        self._view_cache: dict[tuple, list] = {}
         self.heap = Heap(job_id, host_index, local_rank, heap_bytes, scope, secret=secret,
-                         token=self._token)
-        self._peer_heaps = PeerHeaps(job_id, host_index, scope, secret=secret,
-                                     token=self._token)
-        self._xmem = cma_mod.load() if cma and n > 1 else None
-        # read by every peer at start (the cross-memory probe), published by _attach
-        self._probe = np.array([cma_mod.probe_value(self._token, local_rank)], np.int64)
-        try:
-            self._attach(init_timeout)
-        except BaseException:
-            # a peer never came: do not leave the named segment behind (it is unlinked
-            # only once every rank has attached)
-            if self.rank == 0:
-                segments.unlink(self._name)
-            raise
-        self._step = Stepper(self._mm, self._q, self._blk, local_rank,
-                             granks=self._peer_grank, pids=self._peer_pid,
+                         token=token)
+        self._peer_heaps = PeerHeaps(job_id, host_index, scope, secret=secret, token=token)
+        xmem = cma_mod.load() if cma and n > 1 else None
+        # read by every peer at start (the cross-memory probe)
+        probe = (np.array([cma_mod.probe_value(token, local_rank)], np.int64)
+                 if xmem is not None else None)
+        seg.attach(init_timeout, probe)
+        self._step = Stepper(seg.mm, seg.q, seg.blocks, local_rank,
+                             granks=seg.peer_grank, pids=seg.peer_pid,
                              timeout=self.timeout, policy=self.wait_policy,
-                             fences=self._fences)
-        self._records = Records(self._q, self._qb, self._blk, local_rank, self._peer_grank)
-        self._words = np.frombuffer(self._mm, np.int64, count=self._ctl_bytes // 8)
-        self._idents = Identities(self._q, self._qb, self._words, self._blk, local_rank, _W)
-        self._xmem = self._agree_cma()
+                             fences=weakly_ordered() if fences is None else fences,
+                             callers_waiting=callers_waiting or _nothing_waiting)
+        self._records = Records(seg.q, seg.qb, seg.blocks, local_rank, seg.peer_grank)
+        self._idents = Identities(seg.q, seg.qb, seg.words, seg.blocks, local_rank, W)
+        self._xmem = agree_cross_memory(seg, self._step, xmem)
         self._scratch: dict[tuple, list[np.ndarray]] = {}  # blocks read from peers (cma)
         # the fold the next collective's first step carries (fold_identity); None once one
         # took it: its owner reads this to know whether one did
@@ -285,163 +181,10 @@ class ShmEngine:
         self.keep_identity = False
         self.last_identity: np.ndarray | None = None
 
-    # ------------------------------------------------------------------ setup
-    def _create_or_attach(self, total: int, init_timeout: float) -> mmap.mmap:
-        deadline = time.monotonic() + init_timeout
-        if self.rank == 0:
-            while True:
-                try:
-                    mm = segments.create(self._name, total, self._token)
-                    break
-                except FileExistsError:
-                    self._remove_stale_or_fail()
-            q = memoryview(mm)[:_HDR].cast("q")
-            q[H_LAYOUT], q[H_SIZE], q[H_SLOT] = _LAYOUT, self.size, self.slot_bytes
-            q[H_PID] = os.getpid()
-            q[H_TOKEN] = self._token
-            q[H_MAGIC] = _MAGIC
-            q[H_READY] = 1
-            q.release()
-            return mm
-        while True:
-            mm = None
-            try:
-                mm = segments.open_existing(self._name)
-                q = memoryview(mm)[:_HDR].cast("q")
-                ok = q[H_READY] == 1 and q[H_MAGIC] == _MAGIC and pid_alive(q[H_PID])
-                if ok and q[H_TOKEN] != self._token:
-                    pid = q[H_PID]
-                    q.release()
-                    raise DDLShmError(
-                        f"rank {self.global_rank}: {segments.SHM_DIR}/{self._name} belongs to "
-                        f"another job (its creator, pid {pid}, has a different job secret): "
-                        f"two jobs share job id {self.job_id!r}; give each its own DDL_JOB_ID "
-                        "(ddlrun does)"
-                    )
-                if ok:
-                    got = (q[H_LAYOUT], q[H_SIZE], q[H_SLOT])
-                    if got != (_LAYOUT, self.size, self.slot_bytes):
-                        q.release()
-                        raise DDLConfigError(
-                            f"rank {self.global_rank}: shared memory {self._name} was made for "
-                            f"(layout, ranks, slot bytes) = {got}, this rank expects "
-                            f"{(_LAYOUT, self.size, self.slot_bytes)}: do all ranks of the job "
-                            "have the same LOCAL_WORLD_SIZE and DDL_SHM_* settings?"
-                        )
-                    q.release()
-                    if len(mm) >= total:
-                        return mm
-                    # mapped between the token's write and the reservation of the rest
-                    # (segments.create): the file has its full size now, map it again
-                else:
-                    q.release()
-                mm.close()
-            except (FileNotFoundError, ValueError):
-                if mm is not None:
-                    mm.close()
-            if time.monotonic() > deadline:
-                raise DDLTimeoutError(
-                    f"rank {self.global_rank}: local rank 0 did not create {self._name} within "
-                    f"{init_timeout:.0f}s (is local rank 0 running? DDL_INIT_TIMEOUT sets this)"
-                )
-            time.sleep(0.002)
-
-    def _remove_stale_or_fail(self) -> None:
-        try:
-            mm = segments.open_existing(self._name)
-        except FileNotFoundError:
-            return  # half-made or just removed: try again
-        q = memoryview(mm)[:_HDR].cast("q")
-        pid = q[H_PID]
-        q.release()
-        mm.close()
-        if pid and pid_alive(pid) and pid != os.getpid():
-            raise DDLShmError(
-                f"rank {self.global_rank}: {segments.SHM_DIR}/{self._name} belongs to a running "
-                f"process (pid {pid}): two jobs share job id {self.job_id!r}; give each job its "
-                "own DDL_JOB_ID (ddlrun does) or MASTER_PORT"
-            )
-        segments.unlink(self._name)  # left by a crashed job with the same id
-
-    def _attach(self, init_timeout: float) -> None:
-        q, b = self._q, self._my
-        other = q[b + W_PID]
-        if q[b + W_STATE] != S_NONE and other != os.getpid() and pid_alive(other):
-            raise DDLShmError(
-                f"rank {self.global_rank}: local rank {self.rank} of {self._name} is already "
-                f"taken by pid {other}: two processes claim one rank (two jobs with one "
-                "DDL_JOB_ID, or LOCAL_RANK given twice)"
-            )
-        q[b + W_PID] = os.getpid()
-        q[b + W_GRANK] = self.global_rank
-        q[b + W_SEQ] = 0
-        q[b + W_CMA] = self._probe.__array_interface__["data"][0] if self._xmem else 0
-        q[b + W_CMA_OK] = 0
-        self._publish_state(S_ATTACHED)
-        deadline = time.monotonic() + init_timeout
-        for i in self._peers:
-            while q[self._blk[i] + W_STATE] == S_NONE:
-                if time.monotonic() > deadline:
-                    raise DDLTimeoutError(
-                        f"rank {self.global_rank}: local rank {i} did not attach to "
-                        f"{self._name} within {init_timeout:g}s"
-                    )
-                time.sleep(0.001)
-        self._peer_grank = {i: q[self._blk[i] + W_GRANK] for i in range(self.size)}
-        self._peer_pid = {i: q[self._blk[i] + W_PID] for i in range(self.size)}
-        if self.rank == 0:
-            # Every rank has it mapped: drop the name so nothing can leak, even on SIGKILL.
-            segments.unlink(self._name)
-
-    def _agree_cma(self) -> cma_mod.CrossMemory | None:
-        """One step at start: each rank reads every peer's probe word across address
-        spaces; cross-memory copies are used only if every rank read every peer's (a job
-        never mixes the paths: a reader whose peer staged nothing would wait forever)."""
-        q, xmem = self._q, self._xmem
-        # Every rank published its probe's address (0: it does not want cross-memory
-        # copies) before attaching: when some rank does not, all know it without a step.
-        if self.size == 1 or any(q[b + W_CMA] == 0 for b in self._blk):
-            return None
-        ok = xmem is not None and all(
-            xmem.probe(self._peer_pid[i], q[self._blk[i] + W_CMA],
-                       cma_mod.probe_value(self._token, i))
-            for i in self._peers)
-        q[self._my + W_CMA_OK] = 1 if ok else 2
-        s = self._step.seq + 1
-        self._step.arrive(s)
-        self._step.wait_all(s, ("start-up (cross-memory probe)", "-", 0, None))
-        if all(q[b + W_CMA_OK] == 1 for b in self._blk):
-            return xmem
-        if self.rank == 0:
-            _log.debug("[ddl] %s: cross-memory attach unavailable; private buffers are staged",
-                       self._name)
-        return None
-
     @property
     def cross_memory(self) -> bool:
         """Whether peers read and write this rank's private buffers in place."""
         return self._xmem is not None
-
-    def _remote(self, arr) -> int:
-        """The record's location word for a private buffer the peers may reach by
-        cross-memory copies: minus its address; 0 where it must be staged."""
-        if self._xmem is None or isinstance(arr, Pieces) or not arr.flags.c_contiguous:
-            return 0
-        return -arr.__array_interface__["data"][0] if arr.nbytes else 0
-
-    def _publish_state(self, state: int) -> None:
-        self._q[self._my + W_STATE] = state
-
-    def _publish_leaving(self) -> None:
-        """What a peer still waiting for this rank is told: that the program called
-        ``ddl.shutdown()`` (S_CLOSED), or that this process is exiting, and why (S_EXITING,
-        with the uncaught exception when there is one: ddl.failures)."""
-        why = failures.leaving()
-        if why is None:
-            self._publish_state(S_CLOSED)
-            return
-        write_reason(self._q, self._my, why)
-        self._publish_state(S_EXITING)
 
     # ------------------------------------------------------------- stepping
     def _me(self) -> str:
@@ -538,7 +281,7 @@ class ShmEngine:
         except BaseException as exc:
             self._failed = exc
             try:
-                self._publish_state(S_ABORTED)
+                self._seg.publish_state(S_ABORTED)
             except (ValueError, TypeError):
                 pass
             raise
@@ -569,32 +312,25 @@ class ShmEngine:
         ``src`` may be the ``Pieces`` of a fusion buffer that is never filled (reduced into
         ``dst`` or in place): each piece is staged from where it lives, which saves the
         packing pass over the data."""
-        if self._dump_iter:
-            self._allreduce_dumped(src, dst, dt, op, shape)
-            return
+        t0 = time.perf_counter() if self._dump_iter else 0.0
         if src.nbytes <= self.small_bytes:
             self._run(self._allreduce_small, src, dst, dt, op, shape)
         else:
             counts = even_split(src.size, self.size)
             self._run(self._reduce_scatter_steps, ALLREDUCE, src, dst, dt, op, shape, counts)
+        if self._dump_iter:
+            self._dump(src.nbytes, time.perf_counter() - t0)
 
-    def _allreduce_dumped(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
-        """``allreduce`` timed: every ``dump_iter`` calls rank 0 logs the wall time per call,
-        as the multi-dimensional engine's ``-dump_iter`` line does per dimension."""
-        t0 = time.perf_counter()
-        small = src.nbytes <= self.small_bytes
-        if small:
-            self._run(self._allreduce_small, src, dst, dt, op, shape)
-        else:
-            counts = even_split(src.size, self.size)
-            self._run(self._reduce_scatter_steps, ALLREDUCE, src, dst, dt, op, shape, counts)
-        self._wall += time.perf_counter() - t0
+    def _dump(self, nbytes: int, wall: float) -> None:
+        """Every ``dump_iter`` allreduces rank 0 logs the wall time per call, as the
+        multi-dimensional engine's ``-dump_iter`` line does per dimension."""
+        self._wall += wall
         self._calls += 1
         if self._calls % self._dump_iter == 0:
             if self.global_rank == 0:
-                alg = "one-step" if small else "reduce-scatter+allgather"
+                alg = "one-step" if nbytes <= self.small_bytes else "reduce-scatter+allgather"
                 _log.info("[ddl] allreduce #%d (%d B): dim0 x%d shm/%s; wall %.2f ms per call",
-                          self._calls, src.nbytes, self.size, alg,
+                          self._calls, nbytes, self.size, alg,
                           1e3 * self._wall / self._dump_iter)
             self._wall = 0.0
 
@@ -618,7 +354,7 @@ class ShmEngine:
     def _allreduce_small(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
         s = self._step.seq + 1
         terms = self._small_views(s & 1, src.nbytes, dt.storage)
-        _read(src, 0, src.size, terms[self.rank])
+        read(src, 0, src.size, terms[self.rank])
         self._first_step(s, _new(MetaKey, (_ALLREDUCE_KEYS[op], dt.code, src.size, shape, 0, 0, 0)),
                          SPAN_REDUCE, ("allreduce", dt.name, src.size, op))
         if isinstance(dst, Pieces):
@@ -650,9 +386,9 @@ class ShmEngine:
         out_loc = self.heap.locate(dst) if gather and not isinstance(dst, Pieces) else 0
         if src.nbytes >= cma_mod.MIN_BYTES:  # (the same size on every rank)
             if not in_loc:
-                in_loc = self._remote(src)
+                in_loc = remote_location(self._xmem, src)
             if gather and not out_loc:
-                out_loc = self._remote(dst)
+                out_loc = remote_location(self._xmem, dst)
         if not in_loc:
             self._stage_inputs(src, p, 0, share, counts, starts, dt)
         self._first_step(s, MetaKey(coll_key(coll, op), dt.code, src.size, shape, 0, in_loc,
@@ -673,12 +409,19 @@ class ShmEngine:
                     self._stage_inputs(src, p, chunk, plan.share, counts, starts, dt)
                 self._next_step(s, what)
             if own_out_private and chunk:
-                self._collect_results(dst, p, chunk - 1, plan, dt)
+                plan.collect(dst, self._slots[p], chunk - 1, dt)
             if chunk < plan.chunks:
-                self._reduce_part(src, dst, p, chunk, plan, dt, op, gather)
+                plan.reduce(src, dst, self._slots[p], self._slots[p ^ 1][self.rank], chunk, dt,
+                            op, gather)
+
+    def _stage_inputs(self, src, p: int, chunk: int, share: int, counts: list[int],
+                      starts: list[int], dt: DType) -> None:
+        """Copy chunk ``chunk`` of every part but ours into our slot of parity ``p``."""
+        stage_inputs(src, self._slots[p][self.rank], self.rank, self._peers, chunk, share,
+                     counts, starts, dt)
 
     def _chunk_plan(self, p: int, share: int, counts: list[int], starts: list[int],
-                    numel: int, dt: DType, gather: bool) -> _Chunks:
+                    numel: int, dt: DType, gather: bool) -> ChunkPlan:
         """The walk, once every rank's heap locations are known (first step's records)."""
         records = self._records
         locs_in = [records.field(i, p, M_IN) for i in range(self.size)]
@@ -694,12 +437,12 @@ class ShmEngine:
             if loc > 0:
                 in_views[i] = self._peer_heaps.view(i, loc, nbytes, st)
             elif loc < 0:
-                in_remote[i] = (self._peer_pid[i], -loc)
+                in_remote[i] = (self._seg.peer_pid[i], -loc)
             loc = locs_out[i]
             if loc > 0:
                 out_views[i] = self._peer_heaps.view(i, loc, nbytes, st)
             elif loc < 0:
-                out_remote[i] = (self._peer_pid[i], -loc)
+                out_remote[i] = (self._seg.peer_pid[i], -loc)
         if all(locs_in) and (not gather or all(locs_out)):
             share = max(1, max(counts))  # nothing is staged: one chunk, reduced block by block
         largest = max(counts)
@@ -712,94 +455,14 @@ class ShmEngine:
             scratch = self._scratch.get(key)
             if scratch is None:
                 scratch = self._scratch[key] = [np.empty(block, st) for _ in range(self.size)]
-        return _Chunks(share=share, chunks=-(-largest // share) if largest else 0,
-                       counts=counts, starts=starts, in_views=in_views, out_views=out_views,
-                       publish=gather and not all(locs_out), block=block,
-                       in_remote=in_remote, out_remote=out_remote, scratch=scratch,
-                       read_in_place=any(locs_in))
-
-    def _stage_inputs(self, src, p: int, chunk: int, share: int, counts: list[int],
-                      starts: list[int], dt: DType) -> None:
-        """Copy chunk ``chunk`` of every part but ours into our slot, where its reducer
-        reads it."""
-        mine = self._slots[p][self.rank]
-        first = chunk * share
-        isz = dt.itemsize
-        for j in self._peers:
-            length = min(counts[j] - first, share)
-            if length > 0:
-                _read(src, starts[j] + first, starts[j] + first + length,
-                      mine[j * share * isz : (j * share + length) * isz].view(dt.storage))
-
-    def _collect_results(self, dst, p: int, chunk: int, plan: _Chunks, dt: DType) -> None:
-        """Copy the peers' reduced parts of chunk ``chunk`` from their slots into ``dst``."""
-        first = chunk * plan.share
-        results = self.size * plan.share * dt.itemsize  # where a slot's result area starts
-        for j in self._peers:
-            length = min(plan.counts[j] - first, plan.share)
-            if length > 0:
-                part = self._slots[p][j][results : results + length * dt.itemsize]
-                _write(dst, plan.starts[j] + first, plan.starts[j] + first + length,
-                       part.view(dt.storage))
-
-    def _reduce_part(self, src, dst, p: int, chunk: int, plan: _Chunks, dt: DType,
-                     op: ReduceOp, gather: bool) -> None:
-        """Reduce our part of chunk ``chunk`` in cache-sized blocks and pass each block on
-        while it is hot (into our slot's result area, and into peers' heap outputs)."""
-        r, n, share = self.rank, self.size, plan.share
-        st, isz = dt.storage, dt.itemsize
-        first = chunk * share
-        length = min(plan.counts[r] - first, share)
-        base = plan.starts[r] + first  # the element at offset 0 of our part of the chunk
-        staged = self._slots[p]
-        result_area = self._slots[p ^ 1][r]  # read by the peers at the next step
-        for block_start in range(0, max(length, 0), plan.block):
-            block_end = base + min(block_start + plan.block, length)
-            for lo, hi, mine in _parts(src, base + block_start, block_end):
-                offset, count = lo - base, hi - lo  # inside our part of the chunk
-                terms = [mine]
-                for i in self._peers:
-                    view = plan.in_views[i]
-                    if view is not None:
-                        terms.append(view[lo:hi])
-                    elif plan.in_remote[i] is not None:
-                        pid, addr = plan.in_remote[i]
-                        got = plan.scratch[i][:count]
-                        try:
-                            self._xmem.read(pid, addr + lo * isz, got)
-                        except DDLPeerError as exc:
-                            raise self._lost(i, exc, gather) from None
-                        terms.append(got)
-                    else:
-                        at = (r * share + offset) * isz
-                        terms.append(staged[i][at : at + count * isz].view(st))
-                if dst is src:
-                    out = mine
-                elif gather:
-                    out = dst[lo:hi]
-                else:
-                    out = dst[first + offset : first + offset + count]
-                reduce_into(out, terms, op, dt, n)
-                if plan.publish:
-                    at = (n * share + offset) * isz
-                    np.copyto(result_area[at : at + count * isz].view(st), out)
-                if gather:
-                    for j in self._peers:
-                        if plan.out_views[j] is not None:
-                            np.copyto(plan.out_views[j][lo:hi], out)
-                        elif plan.out_remote[j] is not None:
-                            pid, addr = plan.out_remote[j]
-                            try:
-                                self._xmem.write(pid, addr + lo * isz, out)
-                            except DDLPeerError as exc:
-                                raise self._lost(j, exc, gather) from None
-
-    def _lost(self, i: int, exc: DDLPeerError, gather: bool) -> DDLPeerError:
-        """A cross-memory copy with local rank ``i`` failed: it died (or its memory went)
-        inside the collective."""
-        what = "allreduce" if gather else "reduce_scatter"
-        alive = "" if pid_alive(self._peer_pid[i]) else " died;"
-        return DDLPeerError(f"{self._me()}: {what}: rank {self._peer_grank[i]}{alive} {exc}")
+        seg = self._seg
+        return ChunkPlan(share=share, chunks=-(-largest // share) if largest else 0,
+                         counts=counts, starts=starts, in_views=in_views, out_views=out_views,
+                         publish=gather and not all(locs_out), block=block,
+                         in_remote=in_remote, out_remote=out_remote, scratch=scratch,
+                         read_in_place=any(locs_in), rank=self.rank, size=self.size,
+                         peers=self._peers, xmem=self._xmem, me=self._me(),
+                         granks=seg.peer_grank, pids=seg.peer_pid)
 
     def allgather(self, src: np.ndarray, dt: DType, row_shape: tuple[int, ...],
                   alloc: Callable[[list[int]], np.ndarray]) -> np.ndarray:
@@ -870,25 +533,16 @@ class ShmEngine:
 
     # -------------------------------------------------------------- teardown
     def close(self) -> None:
-        if self._mm is None:
+        if self._seg.mm is None:
             return
         try:
             if self._failed is None:
-                self._publish_leaving()
+                self._seg.publish_leaving()
         finally:
             self.heap.close()
             self._peer_heaps.close()
             self._step.close()
             self._idents.close()
-            self._words = None
-            self._q.release()
-            self._qb.release()
-            self._slots = self._regions = self._staging = None
+            self._slots = self._regions = None
             self._view_cache.clear()
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes with it
-            self._mm = None
-            if self.rank == 0:
-                segments.unlink(self._name)  # in case init failed before the unlink
+            self._seg.close()

@@ -24,10 +24,10 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from .. import timeline as _tl
 from ..errors import DDLPeerError, DDLShmError, DDLTimeoutError
-from ..runtime import callers_waiting
 
 # control-block words (the metadata records of shm_meta follow them in the same block)
 W_SEQ, W_PID, W_STATE, W_GRANK, W_SLEEP = 0, 1, 2, 3, 4
@@ -184,13 +184,15 @@ class Stepper:
 
     ``q``: the control segment as int64 words; ``blocks``: the first word of each local
     rank's control block; ``granks``/``pids``: each local rank's job rank and pid (for the
-    messages and the liveness probe)."""
+    messages and the liveness probe); ``callers_waiting``: whether some thread is blocked
+    waiting for the collective this one runs (ddl.runtime's count, passed in)."""
 
     def __init__(self, mm: mmap.mmap, q: memoryview, blocks: list[int], rank: int, *,
                  granks: dict[int, int], pids: dict[int, int], timeout: float,
-                 policy: str, fences: bool):
+                 policy: str, fences: bool, callers_waiting: Callable[[], bool]):
         self.seq = 0  # the last step this rank arrived at
         self.timeout = timeout
+        self._callers_waiting = callers_waiting
         self._q = q
         self._blk = blocks
         self._my = blocks[rank]
@@ -236,7 +238,7 @@ class Stepper:
         load = self._q.__getitem__ if self._atomics is None else self._atomics.load
         polls = 0
         spin, yields = self._spin, self._yields
-        if threading.current_thread() is not _MAIN_THREAD and not callers_waiting():
+        if threading.current_thread() is not _MAIN_THREAD and not self._callers_waiting():
             # Collectives off the main thread (async handles, DDP's comm hook, pipelines)
             # run beside the user's compute: spinning would take the core it needs. Unless
             # the caller is blocked waiting for them, which leaves its core idle.

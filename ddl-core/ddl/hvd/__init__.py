@@ -1,7 +1,10 @@
 """The Horovod-level layer, framework-free: what ``ddl.torch`` and ``ddl.tensorflow`` share.
 
-- :mod:`.negotiate`: the identity exchange every Horovod-level call starts with, and the
-  handle type of the ``*_async`` calls;
+- :mod:`.negotiate`: submitting a Horovod-level call, and the handle of the ``*_async``
+  calls (a ``ddl.Handle``);
+- :mod:`.control`: the identity exchange every Horovod-level call starts with, and each
+  process set's state; :mod:`.descriptor`: what the exchange carries, and the mismatch
+  message; :mod:`.fold`: the exchange riding on the data's first step;
 - :mod:`.collectives`: each Horovod collective's one plan (scaling, compression, grouping);
 - :mod:`.join`: ``hvd.join()``: a rank out of data keeps serving the others;
 - :mod:`.fusion`: the DistributedOptimizer's fusion-buffer planning;

@@ -158,8 +158,8 @@ def _plan_plain_allreduce(tensor: Any, average: bool | None, name: str | None, o
     scale, fw = sig.scale, sig.fw
     sent = tensor if sig.pre == 1.0 else fw.scaled(tensor, sig.pre)
     # In place whenever the tensor sent is ours to overwrite (see _plan_allreduce)
-    data = _api.plan_allreduce(sent, sig.engine_op, None, inplace or sent is not tensor,
-                               st.group)
+    data = _api.plan_allreduce(sent, sig.engine_op, inplace=inplace or sent is not tensor,
+                               group=st.group)
     if scale == 1.0 and (sent is tensor or not inplace):
         return Planned(sig.call, _no_r(data))  # the engine's result is the answer
 
@@ -189,8 +189,8 @@ def _plan_allreduce(tensor: Any, average: bool | None, name: str | None, op: Any
     # In place whenever the tensor sent is ours to overwrite: the caller's own for the
     # in-place spellings, or a temporary made by compression or prescaling. Out of place
     # would allocate a fresh result (page faults on every call for large tensors).
-    data = _api.plan_allreduce(sent, engine_op, None, inplace or sent is not tensor,
-                               st.group)
+    data = _api.plan_allreduce(sent, engine_op, inplace=inplace or sent is not tensor,
+                               group=st.group)
     call = Call(ng.ALLREDUCE, rop, code_of(sent), tuple(sent.shape), pre=pre, post=post,
                 name=name)
 
@@ -226,7 +226,7 @@ def submit_allreduce(tensor: Any, op: ddl.ReduceOp, *, name: str, inplace: bool 
         # postscale itself)
         engine_op = ng.engine_op(op, code_of(tensor), size, postscale)
         if sources is None:
-            data = _api.plan_allreduce(tensor, engine_op, None, inplace, group)
+            data = _api.plan_allreduce(tensor, engine_op, inplace=inplace, group=group)
         else:
             data = _api.plan_allreduce_into(sources, None if inplace else tensor, engine_op,
                                             group)
@@ -296,7 +296,7 @@ def grouped_allreduce(tensors: Sequence[Any], *, average: bool | None = None,
                 if pre != 1.0:
                     fw.scale_(flat, pre)
                 parts.append((idx, flat,
-                              _api.plan_allreduce(flat, engine_op, None, True, st.group),
+                              _api.plan_allreduce(flat, engine_op, inplace=True, group=st.group),
                               scale))
 
         def finish(_: Any) -> list[Any]:
@@ -390,7 +390,7 @@ def _adasum_plan(ts: list[Any], single: bool, average: bool | None, name: str | 
                 # the lowest rank's coefficients for all: a rank whose dot products rounded
                 # otherwise (another CPU kind) redoes the exact scaled adds with them
                 agreed = coefs.copy()
-                _api.plan_broadcast(agreed, 0, True, st.group)()
+                _api.plan_broadcast(agreed, 0, inplace=True, group=st.group)()
                 if not np.array_equal(agreed, coefs, equal_nan=True):
                     got, _ = _adasum.tree(rows, numels, dt, coefs=agreed)
             off = 0
@@ -474,7 +474,7 @@ def broadcast(tensor: Any, root_rank: int, *, name: str | None = None, inplace: 
 
     def plan() -> Planned:
         root, local = check_root(root_rank, st)
-        data = _api.plan_broadcast(tensor, local, inplace, st.group)
+        data = _api.plan_broadcast(tensor, local, inplace=inplace, group=st.group)
         call = Call(ng.BROADCAST, code=code_of(tensor), shape=tuple(tensor.shape), arg=root,
                     name=name)
         return Planned(call, _no_r(data))
@@ -494,7 +494,7 @@ def broadcast_group_(tensors: Callable[[], Sequence[Any]], root_rank: int,
         root, local = check_root(root_rank, st)
         ts = list(tensors())
         fw = _ops_of(ts)
-        steps = [_api.plan_broadcast(t, local, True, st.group) for t in ts]
+        steps = [_api.plan_broadcast(t, local, inplace=True, group=st.group) for t in ts]
         call = Call(ng.GROUPED_BROADCAST, arg=root, name=name, count=len(ts),
                     numel=sum(fw.numel(t) for t in ts),
                     ndim=max((fw.ndim(t) for t in ts), default=0),
@@ -643,7 +643,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         def data(r: np.ndarray) -> np.ndarray:
             buf = (payload if payload is not None
                    else np.empty(int(r[ng.PAYLOAD]), dtype=np.uint8))
-            _api.plan_broadcast(buf, local, True, st.group)()
+            _api.plan_broadcast(buf, local, inplace=True, group=st.group)()
             return buf
 
         def finish(buf: np.ndarray) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import ddl
 
-from . import negotiate as ng
+from . import control
 from . import process_sets as _sets
 from .collectives import shutdown_exchange
 
@@ -28,11 +28,11 @@ def init(comm: Any = None, process_sets: Any = None, *, who: str = "ddl") -> Non
         raise NotImplementedError(f"{who}.init: comm= is not supported; ddl.init() reads "
                                   "the launch environment (ddlrun, torchrun, mpirun, srun)")
     if ddl.is_initialized():
-        if ng.broken() is None:
+        if control.broken() is None:
             _sets.init_sets(process_sets)
             return
         ddl.shutdown()  # no collective step: the peers are gone or have moved on
-    ng.reset()
+    control.reset()
     _sets.reset()
     ddl.init()
     _sets.init_sets(process_sets)
@@ -46,7 +46,7 @@ def shutdown() -> None:
     if not ddl.is_initialized():
         return
     try:
-        if ng.broken() is None:
+        if control.broken() is None:
             shutdown_exchange()
     except ddl.DDLError:
         pass  # a peer is gone or elsewhere: it has been told, or will see this rank closed
@@ -54,7 +54,7 @@ def shutdown() -> None:
         try:
             ddl.shutdown()
         finally:
-            ng.reset()
+            control.reset()
             _sets.reset()
 
 

@@ -7,11 +7,11 @@ order decided once for all ranks. Unnamed calls keep the sequence path of
 
 A named call is planned on the caller's thread, then waits in this rank's pool
 (``_State.pending``). What moves it is a *round*: a step of the set's sequence, queued on
-the worker like any call, whose descriptor (``negotiate.round_descriptor``) never wins an
+the worker like any call, whose descriptor (``descriptor.round_descriptor``) never wins an
 agreed word, so it can meet anything:
 
 - a round meets rounds, or calls of other ranks: those calls do not run in this step (their
-  ranks issue them again: ``negotiate.Retry``); every rank then takes part in the same
+  ranks issue them again: ``control.Retry``); every rank then takes part in the same
   *offer*: one allgather of the names (62-bit hashes) each running rank holds, oldest first;
 - the calls every running rank offers run at once, each as an ordinary negotiated call (so a
   call whose dtype, shape or op differ between ranks under one name is a
@@ -44,8 +44,9 @@ import ddl
 from ddl import api as _api
 from ddl import runtime as _runtime
 
+from . import control, settings
 from . import negotiate as ng
-from . import settings
+from .descriptor import NAMES, PENDING, Call, name_word, round_descriptor
 
 _log = logging.getLogger("ddl")
 OFFER = 64  # names a rank offers per round; older ones first, the others in later rounds
@@ -62,20 +63,20 @@ class _Entry:
 
     def __init__(self, name: str, kind: int, planned: ng.Planned | None,
                  failure: BaseException | None, handle: NamedHandle) -> None:
-        self.name, self.word, self.kind = name, ng._name_word(name), kind
+        self.name, self.word, self.kind = name, name_word(name), kind
         self.planned, self.failure, self.handle = planned, failure, handle
         self.since = time.monotonic()
         self.warned = False
         self.done_epoch = -1
 
 
-class NamedHandle(_runtime.Handle):
+class NamedHandle(_runtime.QueuedHandle):
     """What ``negotiate.Handle`` waits on for a named call: waiting or polling keeps
     rounds coming while the call has not run, as Horovod's background loop does."""
 
     __slots__ = ("_st", "trying")
 
-    def __init__(self, name: str, st: ng._State) -> None:
+    def __init__(self, name: str, st: control._State) -> None:
         super().__init__(name)
         self._st = st
         self.trying: _runtime.Handle | None = None  # the fast path's job, while queued
@@ -120,18 +121,18 @@ class NamedHandle(_runtime.Handle):
         return super().wait(0)
 
 
-def ensure_round(st: ng._State) -> _runtime.Handle:
+def ensure_round(st: control._State) -> _runtime.Handle:
     """A round of this rank queued on the set's worker (one already queued and not yet
     started is enough: it offers whatever is pending when it runs)."""
     with st.lock:
         rnd = st.round_queued
         if rnd is None:
             rnd = st.round_queued = _api.dispatch(lambda: _run_round(st), "named round",
-                                                  True, st.group)
+                                                  async_=True, group=st.group)
         return rnd
 
 
-def _run_round(st: ng._State) -> None:
+def _run_round(st: control._State) -> None:
     with st.lock:
         st.round_queued = None  # calls submitted from now on need another round
         if not st.pending:
@@ -139,33 +140,33 @@ def _run_round(st: ng._State) -> None:
             # call can be ready without this rank, and whatever another rank's round waits
             # for, its next step meets it as well.
             return
-    outer = getattr(ng._tls, "st", None)
-    ng._tls.st = st
+    outer = getattr(control.running, "st", None)
+    control.running.st = st
     try:
-        r = ng.exchange(ng.round_descriptor(bool(st.pending)))
-        ng.meet_round(r)
+        r = control.exchange(round_descriptor(bool(st.pending)))
+        control.meet_round(r)
     except BaseException as exc:
         _fail_all(st, exc)
         raise
     finally:
-        ng._tls.st = outer
+        control.running.st = outer
 
 
 def _offer(r: np.ndarray) -> None:
-    """A step met a round (``negotiate.on_round``): every rank of the set is here."""
-    st = ng._st()
+    """A step met a round (``control.on_round``): every rank of the set is here."""
+    st = control.current()
     tried = st.trying
     if tried is not None:  # this rank's named call met other names: it waits in the pool
         st.trying = None
         _pool(st, tried)
-    if r[ng.PENDING] != 1:
+    if r[PENDING] != 1:
         return  # no rank in the round holds a named call
     entries = list(st.pending.values())[:OFFER]
     row = np.zeros((1, _HEAD + OFFER), dtype=np.int64)
     row[0, 0] = -1 if st.joined else len(entries)
     row[0, 1] = int(_stall_abort(entries))
     row[0, _HEAD:_HEAD + len(entries)] = [e.word for e in entries]
-    rows = ng._engine(_api.plan_allgather(row, st.group))
+    rows = control.engine_step(_api.plan_allgather(row, st.group))
     live = [i for i in range(rows.shape[0]) if rows[i, 0] >= 0]
     offers = [rows[i, _HEAD:_HEAD + rows[i, 0]].tolist() for i in live]
     held = [set(o) for o in offers]
@@ -180,7 +181,7 @@ def _offer(r: np.ndarray) -> None:
         _execute(st, st.pending.pop(st.by_word.pop(w)))
 
 
-def _pool(st: ng._State, e: _Entry) -> None:
+def _pool(st: control._State, e: _Entry) -> None:
     if e.word in st.by_word:  # two names with one 62-bit hash: never in practice
         raise ddl.DDLConfigError(f"hvd: the names {e.name!r} and {st.by_word[e.word]!r} "
                                  "have the same hash; rename one")
@@ -188,12 +189,12 @@ def _pool(st: ng._State, e: _Entry) -> None:
     st.by_word[e.word] = e.name
 
 
-def _try(st: ng._State, e: _Entry) -> None:
+def _try(st: control._State, e: _Entry) -> None:
     """The fast path of a named call (on the worker): the next step of the sequence, with
     its name. If some rank is elsewhere (another name, an unnamed call, a round), the step
     is a round for every rank and the call waits in the pool (``_offer``)."""
-    outer = getattr(ng._tls, "st", None)
-    ng._tls.st = st
+    outer = getattr(control.running, "st", None)
+    control.running.st = st
     st.trying = e
     p = e.planned
     try:
@@ -202,9 +203,9 @@ def _try(st: ng._State, e: _Entry) -> None:
                 p.before()
             except Exception as exc:  # noqa: BLE001 - fails on every rank once matched
                 e.failure = exc
-                raise ng.Retry from None
+                raise control.Retry from None
         out = ng.run_step(p.call, p.data, p.payload, _NAMED_WORD, st)
-    except ng.Retry:
+    except control.Retry:
         if st.trying is e:  # (_offer pooled it unless the step never reached it)
             st.trying = None
             _pool(st, e)
@@ -219,15 +220,15 @@ def _try(st: ng._State, e: _Entry) -> None:
     finally:
         with st.lock:
             st.tries -= 1
-        ng._tls.st = outer
+        control.running.st = outer
     st.trying = None
     _finish(st, e, out, None)
 
 
-def _execute(st: ng._State, e: _Entry) -> None:
+def _execute(st: control._State, e: _Entry) -> None:
     """Run a named call every rank offered: its negotiated step, then its data."""
     p = e.planned
-    call = p.call if p is not None else ng.Call(e.kind, name=e.name, known=False)
+    call = p.call if p is not None else Call(e.kind, name=e.name, known=False)
     payload = p.payload if p is not None else 0
     failed = e.failure
     if failed is None and p.before is not None:
@@ -239,10 +240,10 @@ def _execute(st: ng._State, e: _Entry) -> None:
         if failed is None:  # folded into the data's first step where it can be
             out = ng.run_step(call, p.data, payload, _NAMED_WORD, st)
         else:
-            d = ng._mine(call, True, _NAMED_WORD, payload)
-            ng._settle(call, _NAMED_WORD, payload, failed, ng.exchange(d))
+            d = control.mine(call, True, _NAMED_WORD, payload)
+            control.settle(call, _NAMED_WORD, payload, failed, control.exchange(d))
             out = None
-    except ng.Retry:
+    except control.Retry:
         # every running rank is here, in the same list of calls: no round can meet it
         exc = ddl.DDLError(f"rank {ddl.rank()}: a round met the named call {e.name!r}")
         _finish(st, e, None, exc)
@@ -256,12 +257,12 @@ def _execute(st: ng._State, e: _Entry) -> None:
     _finish(st, e, out, failed)
 
 
-def _finish(st: ng._State, e: _Entry, out: Any, error: BaseException | None) -> None:
+def _finish(st: control._State, e: _Entry, out: Any, error: BaseException | None) -> None:
     e.done_epoch = st.epoch
     e.handle._finish(out, error)
 
 
-def _fail_all(st: ng._State, exc: BaseException) -> None:
+def _fail_all(st: control._State, exc: BaseException) -> None:
     """The engine failed in a round: every call still pending here fails with it."""
     with st.lock:
         entries = list(st.pending.values())
@@ -272,11 +273,11 @@ def _fail_all(st: ng._State, exc: BaseException) -> None:
 
 
 # ----------------------------------------------------------------------- stalls
-def _missing(st: ng._State, e: _Entry, held: list[set], live: list[int]) -> list[int]:
+def _missing(st: control._State, e: _Entry, held: list[set], live: list[int]) -> list[int]:
     return [st.global_rank(i) for i, h in zip(live, held) if e.word not in h]
 
 
-def _check_stalls(st: ng._State, held: list[set], live: list[int], ready: set) -> None:
+def _check_stalls(st: control._State, held: list[set], live: list[int], ready: set) -> None:
     limit = settings.stall_check_s()
     if limit is None:
         return
@@ -300,7 +301,7 @@ def _stall_abort(entries: list[_Entry]) -> bool:
     return any(now - e.since >= limit for e in entries)
 
 
-def _abort_stalled(st: ng._State, held: list[set], live: list[int]) -> None:
+def _abort_stalled(st: control._State, held: list[set], live: list[int]) -> None:
     """Some rank's stall passed HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: every rank fails each
     call it holds that some running rank has not submitted (the same rows everywhere)."""
     everyone = set.intersection(*held) if held else set()
@@ -316,12 +317,12 @@ def _abort_stalled(st: ng._State, held: list[set], live: list[int]) -> None:
 def _describe(e: _Entry) -> str:
     if e.planned is not None:
         return e.planned.call.describe()
-    return f"hvd.{ng.NAMES.get(e.kind, 'collective')}(name={e.name!r})"
+    return f"hvd.{NAMES.get(e.kind, 'collective')}(name={e.name!r})"
 
 
 # ------------------------------------------------------------------- submitting
-def _check_free(name: Any, kind: int, st: ng._State) -> None:
-    fn = ng.NAMES.get(kind, "collective")
+def _check_free(name: Any, kind: int, st: control._State) -> None:
+    fn = NAMES.get(kind, "collective")
     if not isinstance(name, str):
         raise ddl.DDLConfigError(f"hvd.{fn}: name must be a str, got {name!r}")
     e = st.named.get(name)
@@ -338,14 +339,14 @@ def _check_free(name: Any, kind: int, st: ng._State) -> None:
 
 
 def submit(kind: int, name: str | None, plan: Callable[[], ng.Planned], *, async_: bool,
-           label: str, scope: ng._State | None = None) -> Any:
+           label: str, scope: control._State | None = None) -> Any:
     """``negotiate.submit``, with calls that have a name matched by name (module
     docstring). Returns a ``negotiate.Handle`` when ``async_``, else the result."""
     if name is None:
         return ng.submit(kind, None, plan, async_=async_, label=label, scope=scope)
     if not ddl.is_initialized():
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
-    st = scope or ng.global_state()
+    st = scope or control.global_state()
     _check_free(name, kind, st)
     inner = NamedHandle(label, st)
     try:
@@ -366,7 +367,7 @@ def submit(kind: int, name: str | None, plan: Callable[[], ng.Planned], *, async
             st.tries += 1
     if tries:
         try:
-            job = _api.dispatch(lambda: _try(st, e), label, async_, st.group)
+            job = _api.dispatch(lambda: _try(st, e), label, async_=async_, group=st.group)
         except BaseException:
             if not inner.finished():  # the job was never queued
                 with st.lock:
@@ -383,10 +384,10 @@ def submit(kind: int, name: str | None, plan: Callable[[], ng.Planned], *, async
                 inner.wait()
             except BaseException:  # noqa: BLE001, S110 - this rank raises its own error
                 pass
-            ng.observe(-1, st)
+            control.observe(-1, st)
         raise failure
     handle = ng.Handle(inner, -1, planned.finish, label, st)
     return handle if async_ else handle.wait()
 
 
-ng.on_round = _offer
+control.on_round = _offer

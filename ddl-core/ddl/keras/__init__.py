@@ -23,28 +23,29 @@ from typing import Any
 
 import keras
 
-from ddl import (
+from ddl.hvd import collectives as C
+from ddl.hvd import lifecycle as _lifecycle
+from ddl.hvd.basics import (
     Average,
     DDLConfigError,
     DDLError,
     DDLMismatchError,
     Max,
     Min,
+    ProcessSet,
     Product,
     Sum,
     cross_rank,
     cross_size,
+    global_process_set,
     is_initialized,
     local_rank,
     local_size,
     rank,
+    shutdown,
     size,
 )
-from ddl.hvd import collectives as C
-from ddl.hvd import lifecycle as _lifecycle
-from ddl.hvd.collectives import ProcessSet, global_process_set
 from ddl.hvd.compression import Compression, Compressor
-from ddl.hvd.lifecycle import shutdown
 
 from . import callbacks
 from .optimizer import (
@@ -112,8 +113,10 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
         objects.setdefault(cls.__name__, cls)
     model = keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
     if getattr(model, "optimizer", None) is not None:
-        distribute(model.optimizer, _args(compression, False, Average, 1.0, 1, False,
-                                          global_process_set))
+        distribute(model.optimizer, _args(
+            compression, sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0,
+            backward_passes_per_step=1, average_aggregated_gradients=False,
+            process_set=global_process_set))
     return model
 
 

@@ -1,12 +1,7 @@
-"""Horovod's Keras ``DistributedOptimizer`` for Keras 3 (TensorFlow and torch backends).
-
-The wrapper is a subclass of the optimizer's own class, made on the fly, that keeps the
-class's name and module (a saved ``.keras`` model then loads with or without ddl) and
-overrides one step of Keras's ``apply``: the gradients are reduced over every rank (one
-grouped call, fused per dtype) right before Keras clips them, on update steps only. So
-``clipnorm`` sees the averaged gradients as in Horovod, and with
-``backward_passes_per_step=N`` (Keras's own ``gradient_accumulation_steps``) gradients are
-accumulated locally and travel once every N steps.
+"""Horovod's Keras ``DistributedOptimizer`` and ``PartialDistributedOptimizer`` for Keras 3
+(TensorFlow and torch backends): Horovod's signatures over :mod:`ddl.keras_optimizer`
+(what the wrapper does, shared with ``ddl.tensorflow``), with the reduction of the Keras
+backend in use.
 """
 
 from __future__ import annotations
@@ -17,145 +12,41 @@ import keras
 
 import ddl
 from ddl.hvd.compression import Compression, Compressor
-from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
+from ddl.hvd.process_sets import ProcessSet, global_process_set
+from ddl.keras_optimizer import (
+    TORCH,
+    Reduction,
+    backend,
+    check_optimizer,
+    distribute,
+    distributed_optimizer,
+    is_distributed,
+    local_layer_variables,
+    optimizer_args,
+)
 
-from .variables import local_layer_variables
-
-_CLASSES: dict[type, type] = {}
-_BACKENDS = ("tensorflow", "torch")
-
-
-def _backend() -> str:
-    name = keras.backend.backend()
-    if name not in _BACKENDS:
-        raise NotImplementedError(
-            f"ddl.keras supports the tensorflow and torch backends of Keras 3, not {name!r} "
-            "(set KERAS_BACKEND=tensorflow or torch)")
-    return name
-
-
-def _reduce_tf(grads: list[Any], args: dict, variables: list[Any], local: dict
-               ) -> list[Any]:
-    from ddl.tensorflow import compression as tf_compression
-    from ddl.tensorflow.gradient_tape import reduce_with_locals
-
-    # Horovod's Compression.fp16 for TF casts in the graph: ddl.tensorflow's own.
-    compression = (tf_compression.FP16Compressor
-                   if args["compression"] is Compression.fp16 else args["compression"])
-    return reduce_with_locals(grads, variables, local, args["scale_local"],
-                              args["process_set"], compression=compression,
-                              sparse_as_dense=args["sparse_as_dense"], op=args["op"],
-                              gradient_predivide_factor=args["predivide"])
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "distribute",
+           "is_distributed"]
 
 
-def _reduce_torch(grads: list[Any], args: dict, variables: list[Any], local: dict
-                  ) -> list[Any]:
-    import ddl.torch as hvd_torch
+def _reduction() -> Reduction:
+    if backend() == "tensorflow":
+        # the tensorflow backend's gradients go through ddl.tensorflow's ops; imported
+        # here, on that backend only, so the torch backend never imports TensorFlow
+        from ddl.tensorflow.gradient_tape import KERAS_REDUCTION
 
-    is_local = [id(v) in local for v in variables] if local else [False] * len(grads)
-    at = [i for i, g in enumerate(grads) if g is not None and not is_local[i]]
-    pre, post, op = 1.0, 1.0, args["op"]
-    if args["predivide"] != 1.0:
-        n = scope(args["process_set"]).size
-        pre, post, op = 1.0 / args["predivide"], args["predivide"] / n, ddl.Sum
-    reduced = hvd_torch.grouped_allreduce([grads[i] for i in at], op=op,
-                                          compression=args["compression"],
-                                          prescale_factor=pre, postscale_factor=post,
-                                          process_set=args["process_set"])
-    out = list(grads)
-    for i, r in zip(at, reduced):
-        out[i] = r
-    if args["scale_local"]:
-        n = scope(args["process_set"]).size
-        out = [g / n if loc and g is not None else g for g, loc in zip(out, is_local)]
-    return out
-
-
-def _distributed_class(base: type) -> type:
-    cls = _CLASSES.get(base)
-    if cls is not None:
-        return cls
-
-    def _backend_apply_gradients(self: Any, grads: Any, trainable_variables: Any) -> Any:
-        # Keras passes _clip_gradients the gradients alone: note whose they are (the
-        # variables left after Keras dropped those without a gradient).
-        # (object.__setattr__: Keras would track the variables as the optimizer's own, and
-        # save and restore them with its state)
-        object.__setattr__(self, "_ddl_vars", list(trainable_variables))
-        try:
-            return base._backend_apply_gradients(self, grads, trainable_variables)
-        finally:
-            object.__setattr__(self, "_ddl_vars", None)
-
-    def _clip_gradients(self: Any, grads: Any) -> Any:
-        args = self._ddl_args
-        grads = list(grads)
-        local = getattr(self, "_ddl_local", None) or {}
-        variables = getattr(self, "_ddl_vars", None)
-        if local and (variables is None or len(variables) != len(grads)):
-            raise ddl.DDLError("DistributedOptimizer: the variables of the gradients are "
-                               "unknown here, so local variables cannot be told apart")
-        if ddl.size() > 1:
-            grads = (_reduce_tf if _backend() == "tensorflow" else _reduce_torch)(
-                grads, args, variables or [None] * len(grads), local)
-        if args["sum_steps"] != 1:
-            # Keras averages the accumulated steps; Horovod's default is their sum.
-            grads = [None if g is None else g * args["sum_steps"] for g in grads]
-        return base._clip_gradients(self, grads)
-
-    def register_local_var(self: Any, var: Any) -> None:
-        """Horovod's: ``var``'s gradient is not reduced over the ranks; this rank's own is
-        applied (divided by the number of ranks with ``scale_local_gradients``)."""
-        from ddl.tensorflow.gradient_tape import var_key
-
-        if getattr(self, "_ddl_local", None) is None:
-            object.__setattr__(self, "_ddl_local", {})
-        key = var_key(var) if _backend() == "tensorflow" else id(var)
-        self._ddl_local[key] = var
-
-    cls = type(base.__name__, (base,), {
-        "_clip_gradients": _clip_gradients,
-        "_backend_apply_gradients": _backend_apply_gradients,
-        "register_local_var": register_local_var,
-        "__module__": base.__module__,
-        "__qualname__": base.__qualname__,
-        "_ddl_distributed": True,
-        "__doc__": base.__doc__,
-    })
-    _CLASSES[base] = cls
-    return cls
-
-
-def is_distributed(optimizer: Any) -> bool:
-    return bool(getattr(type(optimizer), "_ddl_distributed", False))
+        return KERAS_REDUCTION
+    return TORCH
 
 
 def _args(compression: type[Compressor], sparse_as_dense: bool, op: Any,
           gradient_predivide_factor: float, backward_passes_per_step: int,
           average_aggregated_gradients: bool, process_set: Any,
           scale_local_gradients: bool = True) -> dict:
-    scope(process_set)  # this rank must be in it
-    if op not in (ddl.Average, ddl.Sum):
-        raise ddl.DDLConfigError(f"DistributedOptimizer: op must be Average or Sum, not {op}")
-    if gradient_predivide_factor != 1.0 and op is not ddl.Average:
-        raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average")
-    if int(backward_passes_per_step) < 1:
-        raise ddl.DDLConfigError("backward_passes_per_step must be >= 1")
-    steps = int(backward_passes_per_step)
-    return dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                predivide=float(gradient_predivide_factor), process_set=process_set,
-                scale_local=bool(scale_local_gradients),
-                sum_steps=steps if steps > 1 and not average_aggregated_gradients else 1)
-
-
-def distribute(optimizer: Any, args: dict) -> Any:
-    """Turn ``optimizer`` itself into its distributed class (its state kept): what
-    :func:`ddl.keras.load_model` does to a loaded model's optimizer."""
-    _backend()
-    base = type(optimizer).__mro__[1] if is_distributed(optimizer) else type(optimizer)
-    optimizer.__class__ = _distributed_class(base)
-    optimizer._ddl_args = args
-    return optimizer
+    """:func:`ddl.keras_optimizer.optimizer_args` with this backend's reduction."""
+    return optimizer_args(compression, sparse_as_dense, op, gradient_predivide_factor,
+                          backward_passes_per_step, average_aggregated_gradients,
+                          process_set, scale_local_gradients, reduction=_reduction())
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,  # noqa: N802
@@ -173,25 +64,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     ``average_aggregated_gradients=True``. Every gradient travels in one grouped call
     (fused per dtype), so ``num_groups``/``groups`` change nothing; ``device_*`` and
     ``scale_local_gradients`` are accepted for compatibility."""
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ddl.DDLConfigError(
-            f"DistributedOptimizer takes a Keras 3 optimizer, got {type(optimizer).__name__}")
-    _backend()
+    check_optimizer(optimizer)
     args = _args(compression, sparse_as_dense, op, gradient_predivide_factor,
                  backward_passes_per_step, average_aggregated_gradients, process_set,
                  scale_local_gradients)
-    config = optimizer.get_config()
-    if name is not None:
-        config["name"] = name
-    if backward_passes_per_step > 1:
-        config["gradient_accumulation_steps"] = int(backward_passes_per_step)
-    base = type(optimizer)
-    if is_distributed(optimizer):
-        base = base.__mro__[1]
-    new = _distributed_class(base).from_config(config)
-    new._ddl_args = args
-    object.__setattr__(new, "_ddl_local", {})
-    return new
+    return distributed_optimizer(optimizer, args, name, backward_passes_per_step)
 
 
 def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802

@@ -39,15 +39,3 @@ def model_variables(model: Any) -> list[Any]:
 def numpy_of(value: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
-
-def local_layer_variables(local_layers: Any) -> list[Any]:
-    """The trainable variables of ``local_layers`` (one Keras layer or several), as
-    Horovod's ``Partial*`` wrappers take them; ``ValueError`` for anything but layers."""
-    if local_layers is None:
-        return []
-    if isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    local_layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
-    return [v for layer in local_layers for v in layer.trainable_weights]

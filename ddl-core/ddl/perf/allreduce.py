@@ -9,9 +9,6 @@ a JSON twin of it. The pure parts shared with the engines (counts, bandwidth, el
 data patterns: ``collectives.py``) and the sizes (``sizes.py``) live below this module and
 are re-exported here; formatting comes first, then ``run_job``, the loop every rank of a
 job runs over the engines of ``worker.py``.
-
-``Result`` and ``table`` are the records of the older side-by-side allreduce harness, kept
-for ``benchmarks/multihost_allreduce.py`` (which drives ``python -m ddl.perf.worker``).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from .collectives import (  # noqa: F401  (re-exported: ``ar.Counts`` and co)
     OPS,
     Collective,
     Counts,
-    DType,
+    ElementType,
     busbw,
     count_wrong,
     device_line,
@@ -149,7 +146,7 @@ class Config:
     iters: int = 20
     warmup: int = 5
     check: int = 1
-    dtype: DType = DTYPES["float"]
+    dtype: ElementType = DTYPES["float"]
     op: str = "sum"
     root: int = 0
     device: str = "cpu"
@@ -362,56 +359,3 @@ def _write_json(cfg: Config, nranks: int, devices: Sequence[str], rec: Record,
     with open(cfg.json_path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
-
-
-# ------------------------------------------- the older side-by-side allreduce records
-@dataclass(frozen=True)
-class Result:
-    engine: str
-    ranks: int
-    nbytes: int
-    median: float  # seconds per allreduce
-    times: tuple[float, ...]
-    correct: bool
-
-    @property
-    def busbw(self) -> float:
-        return busbw(self.nbytes, self.median, self.ranks)
-
-
-def human(nbytes: int) -> str:
-    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << k and nbytes % (1 << k) == 0:
-            return f"{nbytes >> k} {unit}"
-    return f"{nbytes} B"
-
-
-def table(results: Sequence[Result], engines: Sequence[str], markdown: bool = False,
-          ours: Sequence[str] = OURS) -> str:
-    """One row per (ranks, size); time and busbw per engine; then, for each of ``ours``,
-    the time ratio against every other engine (peer time / our time)."""
-    by = {(r.engine, r.ranks, r.nbytes): r for r in results}
-    keys = sorted({(r.ranks, r.nbytes) for r in results})
-    ratios = [(a, b) for a in ours if a in engines for b in engines if b not in ours]
-    head = ["ranks", "size"]
-    for e in engines:
-        head += [f"{e} us", f"{e} GB/s"]
-    head += [f"{a}/{b}" for a, b in ratios]
-    rows = []
-    for n, nb in keys:
-        row = [str(n), human(nb)]
-        for e in engines:
-            r = by.get((e, n, nb))
-            row += ["-", "-"] if r is None else [f"{r.median * 1e6:.1f}", f"{r.busbw:.2f}"]
-        for a, b in ratios:
-            ra, rb = by.get((a, n, nb)), by.get((b, n, nb))
-            row.append(f"{rb.median / ra.median:.2f}x" if ra and rb else "-")
-        rows.append(row)
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    lines = ["# " + fmt.format(*head)] + ["  " + fmt.format(*r) for r in rows]
-    return "\n".join(lines)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .. import cost
+from ..engines.multihost import DimsEngine
 from .sizes import size_list
 
 DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
@@ -116,13 +117,13 @@ def targets(engine) -> list[Target]:
     from ..ops import ReduceOp
 
     f32 = BY_NAME["float32"]  # what ddl-perf and most gradients move
-    multidim = getattr(engine, "multidim", None)
-    if multidim is None:
+    if not isinstance(engine, DimsEngine):
         if engine.size < 2:
             return []
         # one host: the shared-memory engine is the whole job, dimension 0
         return [Target(0, "shm", engine.size, "shm",
                        lambda buf: engine.allreduce(buf, buf, f32, ReduceOp.SUM, (buf.size,)))]
+    multidim = engine.multidim
     transport = engine.name.split("/")[-1]
     out = []
     for k, d in enumerate(multidim.dims):
@@ -158,9 +159,9 @@ def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], N
             clock: Callable[[], float] = time.perf_counter,
             min_seconds: float = 0.25, max_calls: int = 1000) -> list[tuple[int, float]]:
     """(bytes, median seconds per call on this rank) per size. Each repetition times calls
-    back to back, as training issues them and as ddl.perf.worker measures, so a link shows
-    its sustained cost (a token bucket drained, caches as they stay), not the burst a lone
-    call gets after a barrier. The calls per repetition fill ``min_seconds``, from the
+    back to back, as training issues them and as benchmarks/allreduce_worker.py measures, so
+    a link shows its sustained cost (a token bucket drained, caches as they stay), not the
+    burst a lone call gets after a barrier. The calls per repetition fill ``min_seconds``, from the
     slowest rank's first call (``agree``: the max over ranks), so every rank makes as many."""
     out = []
     for nbytes in sizes:
@@ -271,10 +272,10 @@ def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dic
 
     from ..engines.identity_round import FOLD_BYTES
 
-    multidim = getattr(engine, "multidim", None)
-    if multidim is None:
+    if not isinstance(engine, DimsEngine):
         return []
-    picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20) and s <= multidim.chunk_bytes]
+    picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20)
+              and s <= engine.multidim.chunk_bytes]
     if not picked:
         return []
     call = Target(-1, "call", engine.size, "multidim", lambda buf: ddl.allreduce_(buf, ddl.Sum))

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 from .. import config, topology
@@ -24,6 +25,16 @@ ENGINE_CHOICES = {  # --engine: what ddl runs, through the variables ddl.init re
     "auto": {}, "gloo": {"DDL_TRANSPORT": "gloo"}, "mpi": {"DDL_TRANSPORT": "mpi"},
     "nccl": {"DDL_DEVICE_ENGINE": "nccl"}, "host": {"DDL_DEVICE_ENGINE": "host"},
 }
+
+
+_ROLE = re.compile(r":[a-z]+:`([^`]*)`")  # :func:`x` and co
+
+
+def plain(text: str) -> str:
+    """A docstring as ``--help`` prints it: reStructuredText's roles, literal quotes and
+    literal-block colons (``text::``) dropped, the words kept."""
+    text = _ROLE.sub(r"\1", text).replace("`", "")
+    return re.sub(r"::$", ":", text, flags=re.MULTILINE)
 
 
 def _ranks(text: str) -> list[int]:
@@ -92,7 +103,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.add_train_arguments(t)
     s = sub.add_parser("scale", help="train at 1, 2, 4, ... ranks: throughput and scaling "
                                      "efficiency",
-                       description="One ddlrun job of `ddl-perf train` per --ranks count; "
+                       description="One ddlrun job of ddl-perf train per --ranks count; "
                                    "efficiency = throughput_N / (N x throughput_1).")
     s.add_argument("--ranks", type=_ranks, default=[1, 2], metavar="N,N",
                    help="rank counts, one ddlrun job each (default 1,2)")
@@ -117,7 +128,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddl-perf", description=__doc__)
+    p = argparse.ArgumentParser(prog="ddl-perf", description=plain(__doc__))
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in COLLECTIVE_HELP:
         _add_collective(sub, name)
@@ -125,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("simulate", help="predict allreduce time and training scaling "
                                          "(cost model, presets)",
-                        description=simulate.__doc__.split("\n\n")[0])
+                        description=plain(simulate.__doc__.split("\n\n")[0]))
     simulate.add_arguments(sm)
     cal = sub.add_parser("calibrate", help="measure alpha and beta per grid dimension: a "
                                            "cost profile for DDL_COST_PROFILE",

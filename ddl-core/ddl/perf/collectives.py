@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
+
 
 # ------------------------------------------------------------------- the collectives
 @dataclass(frozen=True)
@@ -64,35 +66,46 @@ def busbw(nbytes: int, seconds: float, ranks: int, collective: str = "allreduce"
 
 # --------------------------------------------------------------------- element types
 @dataclass(frozen=True)
-class DType:
+class ElementType:
+    """One of nccl-tests' element types (``-d``): its name there, over ddl's own DType
+    (``ddl.dtypes``), which knows the storage, the width and whether it is a float."""
+
     name: str  # as nccl-tests prints it
-    numpy: str  # numpy's name; bfloat16 has none (torch only)
-    torch: str
-    is_float: bool
+    dtype: dtypes.DType
+
+    @property
+    def numpy(self) -> str:
+        """numpy's name of the type; "" for bfloat16, which numpy has not (torch only)."""
+        return "" if self.dtype is dtypes.BFLOAT16 else self.dtype.storage.name
+
+    @property
+    def torch(self) -> str:
+        return self.dtype.name
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_float
 
 
-DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("int8", "int8", "int8", False), DType("uint8", "uint8", "uint8", False),
-    DType("int32", "int32", "int32", False), DType("uint32", "uint32", "uint32", False),
-    DType("int64", "int64", "int64", False), DType("uint64", "uint64", "uint64", False),
-    DType("half", "float16", "float16", True), DType("float", "float32", "float32", True),
-    DType("double", "float64", "float64", True),
-    DType("bfloat16", "", "bfloat16", True),
+DTYPES: dict[str, ElementType] = {name: ElementType(name, dtypes.BY_NAME[core]) for name, core in (
+    ("int8", "int8"), ("uint8", "uint8"), ("int32", "int32"), ("uint32", "uint32"),
+    ("int64", "int64"), ("uint64", "uint64"), ("half", "float16"), ("float", "float32"),
+    ("double", "float64"), ("bfloat16", "bfloat16"),
 )}
 _DTYPE_ALIASES = {"char": "int8", "int": "int32", "float16": "half", "fp16": "half",
                   "float32": "float", "fp32": "float", "float64": "double", "bf16": "bfloat16"}
 OPS = ("sum", "prod", "max", "min", "avg")
 
 
-def parse_dtype(text: str) -> DType:
+def parse_dtype(text: str) -> ElementType:
     name = _DTYPE_ALIASES.get(text.lower(), text.lower())
     if name not in DTYPES:
         raise ValueError(f"unknown data type {text!r}: use one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-def itemsize(dtype: DType) -> int:
-    return 2 if dtype.name == "bfloat16" else np.dtype(dtype.numpy).itemsize
+def itemsize(dtype: ElementType) -> int:
+    return dtype.dtype.itemsize
 
 
 # ---------------------------------------------------------------------- data patterns
@@ -111,7 +124,7 @@ def _values(index: np.ndarray, rank: int, nranks: int, op: str) -> np.ndarray:
     return (index + 3 * rank) % 11 + 1
 
 
-def _cast(values: np.ndarray, dtype: DType) -> np.ndarray:
+def _cast(values: np.ndarray, dtype: ElementType) -> np.ndarray:
     """int64 values in ``dtype``: wrapping for integers, exact (or inf) for floats; float32
     stands in for bfloat16, whose engines are handed the bfloat16 of it (exact)."""
     with np.errstate(over="ignore"):
@@ -128,7 +141,7 @@ def _reduce(stack: np.ndarray, op: str, nranks: int) -> np.ndarray:
 
 
 def rank_input(collective: str, counts: Counts, rank: int, nranks: int, op: str,
-               dtype: DType, seed: int = 0) -> np.ndarray:
+               dtype: ElementType, seed: int = 0) -> np.ndarray:
     """What ``rank`` sends (``counts.send`` elements). ``seed`` shifts the pattern, so
     that each check (``-c``) moves different data."""
     index = np.arange(counts.send, dtype=np.int64) + seed
@@ -138,7 +151,7 @@ def rank_input(collective: str, counts: Counts, rank: int, nranks: int, op: str,
 
 
 def expected(collective: str, counts: Counts, rank: int, nranks: int, op: str,
-             dtype: DType, root: int = 0, seed: int = 0) -> np.ndarray:
+             dtype: ElementType, root: int = 0, seed: int = 0) -> np.ndarray:
     """Exactly what ``rank`` must hold afterwards (``counts.recv`` elements)."""
     if collective == "broadcast":
         return rank_input(collective, counts, root, nranks, op, dtype, seed)

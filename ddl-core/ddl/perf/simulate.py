@@ -171,7 +171,7 @@ def add_arguments(sm: argparse.ArgumentParser) -> None:
                                     "dimension (mode b picks its algorithm); allreduce "
                                     "default: shared memory, then 100 Gb/s links")
     sm.add_argument("--profile", metavar="PROFILE.json",
-                    help="links from `ddl-perf calibrate` (allreduce default: "
+                    help="links from ddl-perf calibrate (allreduce default: "
                          "DDL_COST_PROFILE when set; overrides --links)")
     sm.add_argument("--chunk-bytes", type=config._size, default=None, metavar="BYTES",
                     help="pipeline chunk, as DDL_CHUNK_BYTES (default: its value, 8M)")

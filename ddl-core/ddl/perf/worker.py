@@ -6,18 +6,11 @@ call passes views of one buffer (allgather: send is this rank's block of recv;
 reduce_scatter: recv is this rank's block of send), and returns the buffer that holds the
 result. ``Harness`` is ddl itself, used only for the numbers around the measurement (the
 per-rank time averaged, #wrong summed, the device lines gathered), never inside a timed loop.
-
-``python -m ddl.perf.worker --engine E --sizes ...`` is the older one-engine allreduce
-worker that ``benchmarks/multihost_allreduce.py`` drives: one JSON line per size.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,12 +19,9 @@ import numpy as np
 
 from .collectives import (
     Counts,
-    DType,
-    count_wrong,
+    ElementType,
     device_line,
-    expected,
     host_description,
-    rank_input,
 )
 
 
@@ -84,7 +74,7 @@ class Harness:
 class _Host:
     """numpy arrays in this process's memory."""
 
-    def alloc(self, count: int, dtype: DType) -> Any:
+    def alloc(self, count: int, dtype: ElementType) -> Any:
         return np.zeros(count, dtype=dtype.numpy)
 
     def write(self, buf: Any, values: np.ndarray) -> None:
@@ -124,7 +114,7 @@ class _Torch:
         else:
             self.index, self.dev = 0, torch.device("cpu")
 
-    def alloc(self, count: int, dtype: DType) -> Any:
+    def alloc(self, count: int, dtype: ElementType) -> Any:
         return self.t.zeros(count, dtype=getattr(self.t, dtype.torch), device=self.dev)
 
     def write(self, buf: Any, values: np.ndarray) -> None:
@@ -166,7 +156,7 @@ class Engine:
         self.rank, self.size, self.device = rank, size, device
         self.mem: _Host | _Torch = _Host()
 
-    def alloc(self, count: int, dtype: DType) -> Any:
+    def alloc(self, count: int, dtype: ElementType) -> Any:
         return self.mem.alloc(count, dtype)
 
     def sync(self) -> None:
@@ -177,7 +167,7 @@ class Engine:
         return self.mem.device_line(rank)
 
     # --- what the engine is
-    def check(self, collective: str, dtype: DType, op: str) -> None:
+    def check(self, collective: str, dtype: ElementType, op: str) -> None:
         """Raise Unavailable when this engine cannot run ``collective`` on ``dtype``/``op``."""
         if dtype.name == "bfloat16" and self.device == "cpu":
             raise Unavailable(f"{self.name}: bfloat16 needs torch tensors: use -g cuda")
@@ -206,7 +196,7 @@ class Engine:
     def alltoall(self, send: Any, recv: Any, op: str, root: int, in_place: bool) -> Any:
         raise NotImplementedError
 
-    def prepare(self, collective: str, counts: Counts, dtype: DType, op: str, root: int,
+    def prepare(self, collective: str, counts: Counts, dtype: ElementType, op: str, root: int,
                 in_place: bool) -> Call:
         """Buffers laid out as nccl-tests lays them out, and the call on them."""
         if in_place:
@@ -248,7 +238,7 @@ class DDL(Engine):
         if device != "cpu":
             self.mem = _Torch(device)
 
-    def check(self, collective: str, dtype: DType, op: str) -> None:
+    def check(self, collective: str, dtype: ElementType, op: str) -> None:
         super().check(collective, dtype, op)
         if op == "avg" and not dtype.is_float:
             raise Unavailable(f"ddl refuses avg on {dtype.name} (integer division would "
@@ -313,12 +303,12 @@ class DDLHeap(DDL):
 
     name = "ddl-heap"
 
-    def check(self, collective: str, dtype: DType, op: str) -> None:
+    def check(self, collective: str, dtype: ElementType, op: str) -> None:
         if self.device != "cpu":
             raise Unavailable("ddl-heap is host memory (ddl.malloc): use -g cpu")
         super().check(collective, dtype, op)
 
-    def alloc(self, count: int, dtype: DType) -> Any:
+    def alloc(self, count: int, dtype: ElementType) -> Any:
         buf = self.ddl.malloc((count,), dtype.numpy)
         buf[...] = 0
         return buf
@@ -395,7 +385,7 @@ class TorchDist(Engine):
 class Gloo(TorchDist):
     name, backend = "gloo", "gloo"
 
-    def check(self, collective: str, dtype: DType, op: str) -> None:
+    def check(self, collective: str, dtype: ElementType, op: str) -> None:
         if self.device != "cpu":
             raise Unavailable("gloo is measured on host tensors: use -g cpu (nccl for GPUs)")
         super().check(collective, dtype, op)
@@ -427,7 +417,7 @@ class MPI(Engine):
                 "with mpirun (ddlrun --launcher mpirun ...)")
         self.op_of = {"sum": M.SUM, "prod": M.PROD, "max": M.MAX, "min": M.MIN}
 
-    def check(self, collective: str, dtype: DType, op: str) -> None:
+    def check(self, collective: str, dtype: ElementType, op: str) -> None:
         if self.device != "cpu":
             raise Unavailable("mpi is measured on host buffers: use -g cpu")
         super().check(collective, dtype, op)
@@ -498,7 +488,7 @@ class Horovod(Engine):
         self.op_of = {"sum": hvd.Sum, "prod": hvd.Product, "max": hvd.Max, "min": hvd.Min,
                       "avg": hvd.Average}
 
-    def check(self, collective: str, dtype: DType, op: str) -> None:
+    def check(self, collective: str, dtype: ElementType, op: str) -> None:
         if self.device != "cpu":
             raise Unavailable("horovod is measured on host tensors here: use -g cpu")
         super().check(collective, dtype, op)
@@ -548,7 +538,7 @@ ENGINES: dict[str, type[Engine]] = {
 
 
 def make_engines(names: list[str], rank: int, size: int, device: str, collective: str,
-                 dtype: DType, op: str) -> list[Engine]:
+                 dtype: ElementType, op: str) -> list[Engine]:
     """The engines, started in order; Unavailable names the first that cannot run."""
     made: list[Engine] = []
     try:
@@ -563,63 +553,3 @@ def make_engines(names: list[str], rank: int, size: int, device: str, collective
             engine.close()
         raise
     return made
-
-
-# ---------------------------------------------- the older one-engine allreduce worker
-def run(engine: str, sizes: list[int], reps: int, target: float, out: Any) -> int:
-    """Per size: warm up, pick on rank 0 an iteration count that fills ``target`` seconds,
-    time ``reps`` repetitions of in-place float32 sums (median), then check the result."""
-    from .collectives import DTYPES
-
-    harness = Harness()
-    fp32 = DTYPES["float"]
-    plug = make_engines([engine], harness.rank, harness.size, "cpu", "allreduce", fp32,
-                        "sum")[0]
-    bad = 0
-    for nbytes in sizes:
-        c = max(1, nbytes // 4)
-        counts = Counts(c, c, c)
-        call = plug.prepare("allreduce", counts, fp32, "sum", 0, True)
-        call.load(rank_input("allreduce", counts, harness.rank, harness.size, "sum", fp32))
-        for _ in range(3):
-            call.run()
-        harness.barrier()
-        t = time.perf_counter()
-        call.run()
-        one = max(time.perf_counter() - t, 1e-7)
-        iters = harness.broadcast_int(int(min(20000, max(2, target / one))))
-        times = []
-        for _ in range(reps):
-            harness.barrier()
-            t = time.perf_counter()
-            for _ in range(iters):
-                call.run()
-            times.append((time.perf_counter() - t) / iters)
-        call.load(rank_input("allreduce", counts, harness.rank, harness.size, "sum", fp32))
-        call.run()
-        want = expected("allreduce", counts, harness.rank, harness.size, "sum", fp32)
-        ok = count_wrong(call.result(), want) == 0
-        bad += not ok
-        if harness.rank == 0:
-            rec = {"engine": engine, "ranks": harness.size, "bytes": c * 4, "iters": iters,
-                   "times": times, "median": float(np.median(times)), "correct": ok}
-            print(json.dumps(rec), file=out, flush=True)
-    plug.close()
-    harness.close()
-    return 1 if bad else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddl.perf.worker")
-    p.add_argument("--engine", choices=("ddl", "ddl-heap", "gloo", "mpi"), required=True)
-    p.add_argument("--sizes", required=True, help="comma-separated byte counts")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--target-seconds", type=float, default=0.2)
-    a = p.parse_args(argv)
-    sizes = [int(s) for s in a.sizes.split(",")]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return run(a.engine, sizes, a.reps, a.target_seconds, sys.stdout)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,5 +1,7 @@
 """Horovod's ``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()``
-returns the gradients averaged (or ``op``-reduced) over every rank, in one grouped call."""
+returns the gradients averaged (or ``op``-reduced) over every rank, in one grouped call;
+and the same reduction for a Keras optimizer on the tensorflow backend
+(:data:`KERAS_REDUCTION`, for :mod:`ddl.keras_optimizer`)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from typing import Any
 import tensorflow as tf
 
 import ddl
+from ddl.hvd import compression as hvd_compression
 from ddl.hvd.compression import Compressor
 from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
+from ddl.keras_optimizer import Reduction, local_layer_variables
 
 from .compression import Compression
 from .mpi_ops import grouped_allreduce
@@ -81,6 +85,22 @@ def reduce_with_locals(grads: list[Any], sources: list[Any], local: dict[int, An
     return out
 
 
+
+def _reduce_keras(grads: list[Any], args: dict, variables: list[Any], local: dict
+                  ) -> list[Any]:
+    # Horovod's Compression.fp16 for TF casts in the graph: ddl.tensorflow's own.
+    compression = (Compression.fp16 if args["compression"] is hvd_compression.Compression.fp16
+                   else args["compression"])
+    return reduce_with_locals(grads, variables, local, args["scale_local"],
+                              args["process_set"], compression=compression,
+                              sparse_as_dense=args["sparse_as_dense"], op=args["op"],
+                              gradient_predivide_factor=args["predivide"])
+
+
+KERAS_REDUCTION = Reduction(reduce=_reduce_keras, key=var_key)
+"""A Keras optimizer's gradients on the tensorflow backend, reduced with TF ops (they run
+inside Keras's ``tf.function`` train step)."""
+
 class _DistributedGradientTape(tf.GradientTape):
     """Mixed into the class of the tape it wraps (as Horovod does), so ``isinstance``
     checks and the tape's own state keep working."""
@@ -141,8 +161,6 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802
                                    scale_local_gradients: bool = True) -> tf.GradientTape:
     """Horovod's: a :func:`DistributedGradientTape` whose ``local_layers``' trainable
     variables are registered local sources (their gradients stay on this rank)."""
-    from ddl.keras.variables import local_layer_variables  # Keras layers: at call time
-
     local_vars = local_layer_variables(local_layers)
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor,

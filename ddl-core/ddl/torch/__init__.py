@@ -21,50 +21,15 @@ from typing import Any
 
 import torch.distributed  # noqa: F401 - the backend registers with it
 
-from ddl import (
-    Average,
-    DDLConfigError,
-    DDLError,
-    DDLMismatchError,
-    DDLPeerError,
-    DDLTimeoutError,
-    Max,
-    Min,
-    Product,
-    Sum,
-    cross_rank,
-    cross_size,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    size,
-)
-from ddl import timeline as _timeline
+from ddl.hvd import basics as _basics
 from ddl.hvd import lifecycle as _lifecycle
-from ddl.hvd.adasum import Adasum
+from ddl.hvd.basics import *  # noqa: F403 - the names every adapter has
 from ddl.hvd.compression import Compression, Compressor
-from ddl.hvd.lifecycle import (
-    ccl_built,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rocm_built,
-    shutdown,
-)
 from ddl.hvd.negotiate import Handle
 
 from .backend import DDLProcessGroup, DDLWork, register
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
-    ProcessSet,
-    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -80,7 +45,6 @@ from .mpi_ops import (
     broadcast_async,
     broadcast_async_,
     broadcast_object,
-    global_process_set,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -95,7 +59,6 @@ from .mpi_ops import (
     reduce_scatter_async,
     reducescatter,
     reducescatter_async,
-    remove_process_set,
     sparse_allreduce_async,
     synchronize,
 )
@@ -112,34 +75,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _lifecycle.init(comm, process_sets, who="ddl.torch")
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record this rank's timeline (a Chrome/Perfetto trace) into ``file_path`` with
-    ``.rankN`` before its ``.json``; see :mod:`ddl.timeline`. ``mark_cycles`` adds an
-    instant event each time ddl's worker starts on queued work after idling."""
-    _timeline.start_timeline(file_path, mark_cycles)
-
-
-def stop_timeline() -> None:
-    """Stop recording and write the file."""
-    _timeline.stop_timeline()
-
-
-__all__ = [
-    "Adasum", "Average", "Compression", "Compressor", "DDLConfigError", "DDLError",
-    "DDLMismatchError",
-    "DDLPeerError", "DDLProcessGroup", "DDLTimeoutError", "DDLWork", "DistributedOptimizer",
-    "Handle", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
-    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
-    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
-    "grouped_reducescatter_async", "init", "is_homogeneous",
-    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "poll", "rank", "reduce_scatter",
-    "reduce_scatter_async", "reducescatter", "reducescatter_async", "register",
-    "remove_process_set", "rocm_built", "sparse_allreduce_async",
-    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize", "SyncBatchNorm",
-]
+__all__ = [*_basics.__all__,
+           "Compression", "Compressor", "DDLProcessGroup", "DDLWork", "DistributedOptimizer",
+           "Handle", "SyncBatchNorm", "allgather", "allgather_async", "allgather_object",
+           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+           "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+           "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+           "broadcast_parameters", "grouped_allgather", "grouped_allgather_async",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
+           "init", "join", "poll", "reduce_scatter", "reduce_scatter_async", "reducescatter",
+           "reducescatter_async", "register", "sparse_allreduce_async", "synchronize"]

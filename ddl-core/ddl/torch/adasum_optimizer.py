@@ -12,6 +12,10 @@ Horovod starts each parameter's step and allreduce from its gradient hook; here 
 steps the wrapped optimizer once and reduces every delta in one grouped call (the same
 per-parameter result; optimizers whose update couples parameters see them all at once, as
 a plain ``step()`` would).
+
+:class:`AdasumDeltas` is that behaviour, mixed before the plain optimizer into
+:class:`ddl.torch.optimizer.DistributedAdasumOptimizer`, which ``DistributedOptimizer``
+returns, so ``isinstance(opt, hvd.DistributedOptimizer)`` holds as for the plain one.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from ddl.hvd.adasum import Adasum, check_size
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.process_sets import global_process_set
 
-from .optimizer import DistributedOptimizer, checked_arguments, too_many_passes
+from .optimizer_base import WrappedOptimizer, checked_arguments, too_many_passes
 
 
-class DistributedAdasumOptimizer(DistributedOptimizer):
-    """What ``DistributedOptimizer(optimizer, ..., op=hvd.Adasum)`` returns on more than one
-    rank (same arguments). Fusion settings are accepted and unused: the deltas go as one
-    grouped call."""
+class AdasumDeltas(WrappedOptimizer):
+    """The Adasum optimizer's construction, hooks and ``step()``, which override the plain
+    DistributedOptimizer's (same arguments). Fusion settings are accepted and unused: the
+    deltas go as one grouped call."""
 
     def __init__(
         self,

@@ -54,8 +54,8 @@ def _needs_grad(tensors: Any) -> bool:
 # ------------------------------------------------------------------- allreduce
 def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                prescale_factor: float, postscale_factor: float,
-               compression: type[Compressor], inplace: bool, process_set: Any,
-               async_: bool) -> Any:
+               compression: type[Compressor], process_set: Any, *, inplace: bool = False,
+               async_: bool = False) -> Any:
     return C.allreduce(tensor, average=average, name=name, op=op, prescale=prescale_factor,
                        postscale=postscale_factor, compression=compression, inplace=inplace,
                        process_set=process_set, async_=async_)
@@ -67,14 +67,14 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, op, prescale, postscale, compression, name, process_set):
         ctx.args = (average, op, prescale, postscale, compression, process_set)
-        return _allreduce(tensor, average, name, op, prescale, postscale, compression, False,
-                          process_set, False)
+        return _allreduce(tensor, average, name, op, prescale, postscale, compression,
+                          process_set)
 
     @staticmethod
     def backward(ctx, grad):
         average, op, prescale, postscale, compression, process_set = ctx.args
         out = _allreduce(grad.contiguous(), average, None, op, prescale, postscale,
-                         compression, False, process_set, False)
+                         compression, process_set)
         return out, None, None, None, None, None, None, None
 
 
@@ -87,34 +87,34 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         return _AllreduceFn.apply(tensor, average, op, prescale_factor, postscale_factor,
                                   compression, name, process_set)
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
-                      compression, False, process_set, False)
+                      compression, process_set)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
-                      Compression.none, False, process_set, True)
+                      Compression.none, process_set, async_=True)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
-                      Compression.none, True, process_set, False)
+                      Compression.none, process_set, inplace=True)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
-                      Compression.none, True, process_set, True)
+                      Compression.none, process_set, inplace=True, async_=True)
 
 
 # ------------------------------------------------------------ grouped allreduce
 def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | None, op: Any,
              prescale_factor: float, postscale_factor: float, compression: type[Compressor],
-             inplace: bool, process_set: Any, async_: bool) -> Any:
+             process_set: Any, *, inplace: bool = False, async_: bool = False) -> Any:
     return C.grouped_allreduce(tensors, average=average, name=name, op=op,
                                prescale=prescale_factor, postscale=postscale_factor,
                                compression=compression, inplace=inplace,
@@ -130,13 +130,13 @@ class _GroupedAllreduceFn(torch.autograd.Function):
                 *tensors):
         ctx.args = (average, op, prescale, postscale, compression, process_set)
         return tuple(_grouped(tensors, average, name, op, prescale, postscale, compression,
-                              False, process_set, False))
+                              process_set))
 
     @staticmethod
     def backward(ctx, *grads):
         average, op, prescale, postscale, compression, process_set = ctx.args
         out = _grouped([g.contiguous() for g in grads], average, None, op, prescale,
-                       postscale, compression, False, process_set, False)
+                       postscale, compression, process_set)
         return (None,) * 7 + tuple(out)
 
 
@@ -149,7 +149,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
         return list(_GroupedAllreduceFn.apply(average, op, prescale_factor, postscale_factor,
                                               compression, name, process_set, *tensors))
     return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
-                    compression, False, process_set, False)
+                    compression, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -157,7 +157,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = None) -> Handle:
     return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
-                    Compression.none, False, process_set, True)
+                    Compression.none, process_set, async_=True)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -167,7 +167,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     """In place, as in Horovod outside autograd: tensors that require grad are updated
     without recording a graph."""
     return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
-                    Compression.none, True, process_set, False)
+                    Compression.none, process_set, inplace=True)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -175,22 +175,25 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None) -> Handle:
     return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
-                    Compression.none, True, process_set, True)
+                    Compression.none, process_set, inplace=True, async_=True)
 
 
 # ------------------------------------------------------------ sparse allreduce
-class _SparseHandle:
-    """``sparse_allreduce_async``'s handle: ``wait()``, ``poll()``, or call it (Horovod
-    returns a function that ``synchronize`` calls)."""
+class _SparseHandle(ddl.Handle):
+    """``sparse_allreduce_async``'s handle (a ``ddl.Handle``): ``wait()``, ``poll()``, or
+    call it (Horovod returns a function that ``synchronize`` calls)."""
+
+    __slots__ = ("_inner", "_like", "_n")
 
     def __init__(self, inner: Handle, like: torch.Tensor, average_over: int) -> None:
+        super().__init__(inner.name)
         self._inner, self._like, self._n = inner, like, average_over
 
     def poll(self) -> bool:
         return self._inner.poll()
 
-    def wait(self) -> torch.Tensor:
-        indices, values = self._inner.wait()
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        indices, values = self._inner.wait(timeout)
         if self._n:
             values = values / self._n
         t = self._like
@@ -225,13 +228,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
 
 
 # ------------------------------------------------------------------- allgather
-def _allgather(tensor: torch.Tensor, name: str | None, process_set: Any, async_: bool) -> Any:
+def _allgather(tensor: torch.Tensor, name: str | None, process_set: Any, *,
+               async_: bool = False) -> Any:
     return C.allgather(tensor, name=name, process_set=process_set, async_=async_)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = None) -> Handle:
-    return _allgather(tensor, name, process_set, True)
+    return _allgather(tensor, name, process_set, async_=True)
 
 
 _offsets = C.row_offsets
@@ -245,12 +249,12 @@ class _AllgatherFn(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.dim, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
         ctx.scalar = tensor.dim() == 0
-        return _allgather(tensor, name, process_set, False)
+        return _allgather(tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
         reduced = _allreduce(grad.contiguous(), None, None, ddl.Average, 1.0, 1.0,
-                             Compression.none, False, ctx.process_set, False)
+                             Compression.none, ctx.process_set)
         (start, n), = _offsets([ctx.dim], ctx.process_set)
         out = reduced.narrow(0, start, n)
         return (out.reshape(()) if ctx.scalar else out), None, None
@@ -262,11 +266,11 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     Differentiable, as in Horovod."""
     if _needs_grad([tensor]):
         return _AllgatherFn.apply(tensor, name, process_set)
-    return _allgather(tensor, name, process_set, False)
+    return _allgather(tensor, name, process_set)
 
 
 def _grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any,
-                       async_: bool) -> Any:
+                       *, async_: bool = False) -> Any:
     return C.grouped_allgather(tensors, name=name, process_set=process_set, async_=async_)
 
 
@@ -279,12 +283,12 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.scalars = [t.dim() == 0 for t in tensors]
         ctx.process_set = process_set
-        return tuple(_grouped_allgather(tensors, name, process_set, False))
+        return tuple(_grouped_allgather(tensors, name, process_set))
 
     @staticmethod
     def backward(ctx, *grads):
         reduced = _grouped([g.contiguous() for g in grads], None, None, ddl.Average, 1.0,
-                           1.0, Compression.none, False, ctx.process_set, False)
+                           1.0, Compression.none, ctx.process_set)
         out = []
         for r, (start, n), scalar in zip(reduced, _offsets(ctx.dims, ctx.process_set),
                                          ctx.scalars):
@@ -298,24 +302,24 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
     """``allgather`` of each tensor, as one call. Differentiable."""
     if _needs_grad(tensors):
         return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
-    return _grouped_allgather(tensors, name, process_set, False)
+    return _grouped_allgather(tensors, name, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: Any = None) -> Handle:
-    return _grouped_allgather(tensors, name, process_set, True)
+    return _grouped_allgather(tensors, name, process_set, async_=True)
 
 
 # ------------------------------------------------------------------- broadcast
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool,
-               process_set: Any, async_: bool) -> Any:
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
+               *, inplace: bool = False, async_: bool = False) -> Any:
     return C.broadcast(tensor, root_rank, name=name, inplace=inplace,
                        process_set=process_set, async_=async_)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> Handle:
-    return _broadcast(tensor, root_rank, name, False, process_set, True)
+    return _broadcast(tensor, root_rank, name, process_set, async_=True)
 
 
 class _BroadcastFn(torch.autograd.Function):
@@ -325,12 +329,12 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root, ctx.process_set = root_rank, process_set
-        return _broadcast(tensor, root_rank, name, False, process_set, False)
+        return _broadcast(tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
         reduced = _allreduce(grad.contiguous(), None, None, ddl.Average, 1.0, 1.0,
-                             Compression.none, False, ctx.process_set, False)
+                             Compression.none, ctx.process_set)
         if ddl.rank() != ctx.root:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
@@ -341,25 +345,25 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """``root_rank``'s ``tensor`` on every rank, as a new tensor. Differentiable."""
     if _needs_grad([tensor]):
         return _BroadcastFn.apply(tensor, root_rank, name, process_set)
-    return _broadcast(tensor, root_rank, name, False, process_set, False)
+    return _broadcast(tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> Handle:
-    return _broadcast(tensor, root_rank, name, True, process_set, True)
+    return _broadcast(tensor, root_rank, name, process_set, inplace=True, async_=True)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = None) -> torch.Tensor:
-    return _broadcast(tensor, root_rank, name, True, process_set, False)
+    return _broadcast(tensor, root_rank, name, process_set, inplace=True)
 
 
 broadcast_group_ = C.broadcast_group_
 
 
 # ------------------------------------------------- alltoall, reduce_scatter
-def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any,
-              async_: bool, with_splits: bool = False) -> Any:
+def _alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any, *,
+              async_: bool = False, with_splits: bool = False) -> Any:
     return C.alltoall(tensor, splits, name=name, process_set=process_set, async_=async_,
                       with_splits=with_splits)
 
@@ -370,7 +374,7 @@ class _AlltoallFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        out, received = _alltoall(tensor, splits, name, process_set, False, True)
+        out, received = _alltoall(tensor, splits, name, process_set, with_splits=True)
         ctx.received, ctx.process_set = received, process_set
         if splits is None:
             return out
@@ -379,8 +383,8 @@ class _AlltoallFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *unused):
-        back, _ = _alltoall(grad.contiguous(), ctx.received, None, ctx.process_set, False,
-                            True)
+        back, _ = _alltoall(grad.contiguous(), ctx.received, None, ctx.process_set,
+                            with_splits=True)
         return back, None, None, None
 
 
@@ -390,17 +394,17 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     ``splits`` is given, how many came from each rank), like Horovod. Differentiable."""
     if _needs_grad([tensor]):
         return _AlltoallFn.apply(tensor, splits, name, process_set)
-    return _alltoall(tensor, splits, name, process_set, False)
+    return _alltoall(tensor, splits, name, process_set)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None,
                    name: str | None = None, process_set: Any = None) -> Handle:
-    return _alltoall(tensor, splits, name, process_set, True)
+    return _alltoall(tensor, splits, name, process_set, async_=True)
 
 
 def _reducescatter(tensors: Sequence[torch.Tensor], op: Any, name: str | None,
                    compression: type[Compressor], process_set: Any, prescale_factor: float,
-                   postscale_factor: float, grouped: bool, async_: bool) -> Any:
+                   postscale_factor: float, *, grouped: bool, async_: bool = False) -> Any:
     return C.reducescatter(tensors, op=op, name=name, compression=compression,
                            process_set=process_set, prescale=prescale_factor,
                            postscale=postscale_factor, grouped=grouped, async_=async_)
@@ -420,15 +424,14 @@ class _ReducescatterFn(torch.autograd.Function):
                 *tensors):
         ctx.args = (op, process_set, float(prescale) * float(postscale), grouped)
         out = _reducescatter(tensors, op, name, compression, process_set, prescale,
-                             postscale, grouped, False)
+                             postscale, grouped=grouped)
         return tuple(out) if grouped else out
 
     @staticmethod
     def backward(ctx, *grads):
         op, process_set, scale, grouped = ctx.args
         factor = scale * (scope(process_set).size if C.resolve_op(None, op) is ddl.Sum else 1)
-        gathered = _grouped_allgather([g.contiguous() for g in grads], None, process_set,
-                                      False)
+        gathered = _grouped_allgather([g.contiguous() for g in grads], None, process_set)
         if factor != 1.0:
             gathered = [g * factor for g in gathered]
         return (None,) * 7 + tuple(gathered)
@@ -436,13 +439,13 @@ class _ReducescatterFn(torch.autograd.Function):
 
 def _reducescatter_entry(tensors: Sequence[torch.Tensor], op: Any, name: str | None,
                          compression: type[Compressor], process_set: Any, prescale: float,
-                         postscale: float, grouped: bool) -> Any:
+                         postscale: float, *, grouped: bool) -> Any:
     if _needs_grad(tensors):
         out = _ReducescatterFn.apply(op, name, compression, process_set, prescale, postscale,
                                      grouped, *tensors)
         return list(out) if grouped else out
     return _reducescatter(tensors, op, name, compression, process_set, prescale, postscale,
-                          grouped, False)
+                          grouped=grouped)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -452,14 +455,14 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     """Horovod's ``reducescatter``: the Average (or ``op``) over ranks of ``tensor``, of
     which this rank gets its block of dimension 0. Differentiable."""
     return _reducescatter_entry(_one(tensor), op, name, compression, process_set,
-                                prescale_factor, postscale_factor, False)
+                                prescale_factor, postscale_factor, grouped=False)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = None,
                         process_set: Any = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
     return _reducescatter(_one(tensor), op, name, Compression.none, process_set,
-                          prescale_factor, postscale_factor, False, True)
+                          prescale_factor, postscale_factor, grouped=False, async_=True)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -468,7 +471,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """``reducescatter`` of each tensor, as one call. Differentiable."""
     return _reducescatter_entry(list(tensors), op, name, compression, process_set,
-                                prescale_factor, postscale_factor, True)
+                                prescale_factor, postscale_factor, grouped=True)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -476,7 +479,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0
                                 ) -> Handle:
     return _reducescatter(list(tensors), op, name, Compression.none, process_set,
-                          prescale_factor, postscale_factor, True, True)
+                          prescale_factor, postscale_factor, grouped=True, async_=True)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: Any = None, name: str | None = None,

@@ -72,8 +72,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
                 running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype),
                                                   alpha=factor)
         pd = _param_dtype(x, weight)
-        out = torch.nn.functional.batch_norm(x, mean.to(pd), var.to(pd), weight, bias, False,
-                                             0.0, eps)
+        out = torch.nn.functional.batch_norm(x, mean.to(pd), var.to(pd), weight, bias,
+                                             training=False, momentum=0.0, eps=eps)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.count, ctx.process_set, ctx.has_bias, ctx.eps = count, process_set, \
             bias is not None, eps
@@ -88,8 +88,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         dy = dy.contiguous()
         # sum(dy * x_hat) and sum(dy) per channel, this rank's, in torch's fused kernel
         _, local_dy_xhat, local_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, None, None, mean.to(pd), invstd.to(pd), True, ctx.eps,
-            [False, True, True])
+            dy, x, weight, None, None, mean.to(pd), invstd.to(pd), train=True, eps=ctx.eps,
+            output_mask=[False, True, True])
         sums = allreduce(torch.cat([local_dy, local_dy_xhat]).to(torch.float64), op=ddl.Sum,
                          process_set=ctx.process_set, name=None)
         sum_dy, sum_dy_xhat = sums[:c], sums[c:]
@@ -129,8 +129,8 @@ class SyncBatchNorm(_BatchNorm):
                 factor = 1.0 / float(self.num_batches_tracked)
         if not self.training and self.track_running_stats:
             return torch.nn.functional.batch_norm(
-                input, self.running_mean, self.running_var, self.weight, self.bias, False,
-                0.0, self.eps)
+                input, self.running_mean, self.running_var, self.weight, self.bias,
+                training=False, momentum=0.0, eps=self.eps)
         running = self.training and self.track_running_stats
         return _SyncBatchNormFn.apply(
             input, self.weight, self.bias, self.running_mean if running else None,

@@ -183,7 +183,7 @@ for sizes in GROUPS[1:]:
         else:
             parts = [whole[a:b].copy() for a, b in zip(cuts, cuts[1:])]
         keep = [p.copy() for p in parts]
-        r = api.dispatch(api.plan_allreduce_into(parts, out, ddl.Sum), "into", False)
+        r = api.dispatch(api.plan_allreduce_into(parts, out, ddl.Sum), "into", async_=False)
         assert r is out
         check_equal(out, want, f"fused allreduce into {into} buffer {sizes}")
         for k, (p_, k_) in enumerate(zip(parts, keep)):

@@ -10,8 +10,7 @@ import numpy as np
 
 import ddl
 from ddl.hvd import collectives as C
-from ddl.hvd import lifecycle
-from ddl.hvd import negotiate as ng
+from ddl.hvd import control, lifecycle
 
 
 def main() -> dict:
@@ -37,7 +36,7 @@ def main() -> dict:
         fresh = C.allreduce(g, op=ddl.Sum)
         seen[-1].append([fresh is g, float(fresh[0]), float(g[0])])
     out["seen"] = seen
-    out["separate"] = ng.separate_exchanges()  # before the failed calls (exchanged alone)
+    out["separate"] = control.separate_exchanges()  # before the failed calls (exchanged alone)
     errors = []
     for _ in range(2):
         try:
@@ -45,7 +44,7 @@ def main() -> dict:
         except ddl.DDLError as exc:
             errors.append(type(exc).__name__)
     out["errors"] = errors
-    out["plans"] = len(ng.global_state().plans)
+    out["plans"] = len(control.global_state().plans)
     lifecycle.shutdown()
     return out
 

@@ -11,15 +11,14 @@ import numpy as np
 
 import ddl
 from ddl.hvd import collectives as C
+from ddl.hvd import control, lifecycle
 from ddl.hvd import join as J
-from ddl.hvd import lifecycle
-from ddl.hvd import negotiate as ng
 
 
 def calls() -> dict:
     """100 calls of every foldable kind; the results, and the separate exchanges."""
     me, n = ddl.rank(), ddl.size()
-    before = ng.separate_exchanges()
+    before = control.separate_exchanges()
     wrong = []
     for i in range(100):
         numel = (256, 1 << 18)[i % 2]  # the one-step and the chunked algorithms
@@ -37,7 +36,7 @@ def calls() -> dict:
     b = C.broadcast(np.full(5, me + 7.0), 1)
     if not np.all(b == 8.0):
         wrong.append(("broadcast", 0))
-    return {"separate": ng.separate_exchanges() - before, "wrong": wrong}
+    return {"separate": control.separate_exchanges() - before, "wrong": wrong}
 
 
 def expect_error(fn) -> dict:
@@ -65,9 +64,9 @@ def mismatch() -> dict:
         else C.broadcast(np.ones(8, np.float32), 5))
     after = C.allreduce(np.full(4, 1.0, np.float32), op=ddl.Sum)
     out["after_ok"] = bool(np.all(after == ddl.size()))
-    before = ng.separate_exchanges()
+    before = control.separate_exchanges()
     C.allreduce(np.ones(4, np.float32))
-    out["separate_after"] = ng.separate_exchanges() - before
+    out["separate_after"] = control.separate_exchanges() - before
     # a core call on one rank against a Horovod-level call on the other: both raise where
     # the ranks share memory (a core call carries no identity across hosts)
     if ddl.engine_name() != "shm":
