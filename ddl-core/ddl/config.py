@@ -401,6 +401,13 @@ _VARS += [
 ]
 
 _VARS += [
+    EnvVar("DDL_DEBUG", _bool, False,
+           "1: show ddl's errors with their whole traceback and internal chain (by default "
+           "an uncaught error shows two of ddl's frames, the call into ddl and the line "
+           "that raised, and no internal chain: the message says what happened)"),
+]
+
+_VARS += [
     # Set by ddlrun for every rank (the launcher's registry has it too).
     EnvVar("DDL_ERROR_FILE", str, None,
            "where this rank writes its failure record (JSON: the uncaught exception, the "

@@ -72,12 +72,20 @@ def install() -> None:
     def excepthook(kind: type[BaseException], value: BaseException,
                    tb: TracebackType | None) -> None:
         _guarded(on_uncaught, value, True)
+        if value is not None and value.__traceback__ is tb:
+            _guarded(for_user, value)
+            tb = value.__traceback__
         previous(kind, value, tb)
 
     def thread_excepthook(args: Any) -> None:
         if args.exc_type is not SystemExit:
             thread = getattr(args.thread, "name", None) or "a thread"
             _guarded(on_uncaught, args.exc_value, False, thread)
+            value = args.exc_value
+            if value is not None and value.__traceback__ is args.exc_traceback:
+                _guarded(for_user, value)
+                args = threading.ExceptHookArgs(
+                    (args.exc_type, value, value.__traceback__, args.thread))
         previous_thread(args)
 
     sys.excepthook = excepthook
@@ -168,6 +176,70 @@ def user_frame(tb: TracebackType | None) -> tuple[str, int, str]:
         if found:
             return found[-1]
     return "", 0, ""
+
+
+def ours(tb: TracebackType) -> bool:
+    """Whether the traceback entry is a frame of ddl's own package."""
+    name = tb.tb_frame.f_code.co_filename
+    return not name.startswith("<") and os.path.abspath(name).startswith(_PACKAGE)
+
+
+def short_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` with ddl's frames cut to two: the call the program made into ddl (the
+    outermost) and the line of ddl that raised (the innermost of ddl's), or the one that
+    called into the program's code that raised. Frames before the first of ddl's and after
+    the last of ddl's stay; library frames between them go with ddl's. Unchanged when it
+    holds at most two of ddl's."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    mine = [i for i, e in enumerate(entries) if ours(e)]
+    if len(mine) <= 2:
+        return entries[0] if entries else None
+    first, last = mine[0], mine[-1]
+    kept = entries[: first + 1] + entries[last:]
+    out = None
+    for e in reversed(kept):
+        out = TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    return out
+
+
+def _internal(exc: BaseException) -> bool:
+    """One of ddl's own exception classes that is no error (an outcome passed between its
+    layers, such as the engine's ``Unfolded``): never shown to a user."""
+    return not isinstance(exc, DDLError) and type(exc).__module__.startswith("ddl.")
+
+
+def for_user(exc: BaseException) -> BaseException:
+    """``exc`` as the program's user sees it (its printed traceback, the failure record)
+    unless ``DDL_DEBUG=1``: the traceback through ddl cut to two of its frames
+    (:func:`short_traceback`), and ddl's internal chain not shown (the context of a
+    DDLError, whose message says what happened and why; a context or cause of one of
+    ddl's internal classes). An explicit cause that is an error (a DDLError a program
+    raised its own error from, an OSError) stays. Changed in place, for each exception
+    of the chain that stays, after the failure record is written from the whole chain;
+    returns ``exc``."""
+    if config.get("DDL_DEBUG"):
+        return exc
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = short_traceback(e.__traceback__)
+        if isinstance(e, DDLError) or (e.__context__ is not None
+                                       and _internal(e.__context__)):
+            e.__suppress_context__ = True
+        if e.__cause__ is not None and _internal(e.__cause__):
+            e.__cause__ = None
+            e.__suppress_context__ = True
+        todo.append(e.__cause__)
+        if not e.__suppress_context__:
+            todo.append(e.__context__)
+    return exc
 
 
 def record(exc: BaseException, thread: str = "MainThread") -> dict:

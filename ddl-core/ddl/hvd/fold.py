@@ -160,11 +160,13 @@ def run_folded(call: Call, word: int, payload: int, data: Callable[[np.ndarray],
     words[NEG_SEQ] = -word
     words[PAYLOAD] = payload
     engine.fold_identity(fold)
+    unfolded = None
     try:
         out = data(provisional)
     except Unfolded as why:
-        st.count += 1
-        return control.engine_step(data, control.settle(call, word, payload, None, why.result))
+        # Settled below, outside this handler: what settling raises (a mismatch on every
+        # rank) is the user's error, not a consequence of ddl's internal Unfolded.
+        unfolded = why.result
     except (ddl.DDLMismatchError, ddl.DDLConfigError):
         raise  # the engine is still in step (as control.engine_step)
     except ddl.DDLError as exc:
@@ -174,6 +176,9 @@ def run_folded(call: Call, word: int, payload: int, data: Callable[[np.ndarray],
         left = engine.armed
         if left is not None:
             engine.cancel_fold()
+    if unfolded is not None:
+        st.count += 1
+        return control.engine_step(data, control.settle(call, word, payload, None, unfolded))
     if left is None:  # the data's first step carried it, and every rank moved its data
         st.count += 1
         return out
