@@ -188,8 +188,9 @@ def short_traceback(tb: TracebackType | None) -> TracebackType | None:
     """``tb`` with ddl's frames cut to two: the call the program made into ddl (the
     outermost) and the line of ddl that raised (the innermost of ddl's), or the one that
     called into the program's code that raised. Frames before the first of ddl's and after
-    the last of ddl's stay; library frames between them go with ddl's. Unchanged when it
-    holds at most two of ddl's."""
+    the last of ddl's stay, and so do the program's own between them (a callback ddl
+    called); library frames between them go with ddl's. Unchanged when it holds at most
+    two of ddl's."""
     entries = []
     while tb is not None:
         entries.append(tb)
@@ -198,17 +199,29 @@ def short_traceback(tb: TracebackType | None) -> TracebackType | None:
     if len(mine) <= 2:
         return entries[0] if entries else None
     first, last = mine[0], mine[-1]
-    kept = entries[: first + 1] + entries[last:]
+    between = [e for e in entries[first + 1 : last] if _programs(e)]  # its callbacks
+    kept = entries[: first + 1] + between + entries[last:]
     out = None
     for e in reversed(kept):
-        out = TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
+        line = e.tb_lineno if e.tb_lineno is not None else -1
+        out = TracebackType(out, e.tb_frame, e.tb_lasti, line)
     return out
+
+
+def _programs(tb: TracebackType) -> bool:
+    """Whether the entry is a frame of the program's own code (neither ddl's nor a
+    library's): a callback ddl called (a hook, a compressor) stays in a short traceback."""
+    name = tb.tb_frame.f_code.co_filename
+    path = os.path.abspath(name)
+    return (not name.startswith("<") and not path.startswith(_PACKAGE)
+            and not path.startswith(_LIBRARIES))
 
 
 def _internal(exc: BaseException) -> bool:
     """One of ddl's own exception classes that is no error (an outcome passed between its
-    layers, such as the engine's ``Unfolded``): never shown to a user."""
-    return not isinstance(exc, DDLError) and type(exc).__module__.startswith("ddl.")
+    layers, such as the engine's ``Unfolded``; they say so with ``ddl_internal``): never
+    shown to a user."""
+    return getattr(type(exc), "ddl_internal", False) is True
 
 
 def for_user(exc: BaseException) -> BaseException:

@@ -89,6 +89,8 @@ class PortInUse(DDLConfigError):
 class _Closed(Exception):
     """The other end went away (or the frame was not ours)."""
 
+    ddl_internal = True  # passed between ddl's layers: never shown to a user (failures)
+
 
 # ------------------------------------------------------------------------- framing
 def _frame(code: int, fields: Iterable[bytes]) -> bytes:
@@ -843,10 +845,14 @@ class _CutOff(Exception):
     """The server hung up after our proof without answering it: our handshake was evicted
     (a refusal says so, ``_NO_PROOF``)."""
 
+    ddl_internal = True  # passed between ddl's layers: never shown to a user (failures)
+
 
 class _OtherGeneration(Exception):
     """The server is another ``ddl.init()``'s (``found``: its generation, None: it names
     none): an earlier one's that rank 0 has not closed yet, or a later one's."""
+
+    ddl_internal = True  # passed between ddl's layers: never shown to a user (failures)
 
     def __init__(self, found: int | None):
         super().__init__(found)

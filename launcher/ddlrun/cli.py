@@ -293,6 +293,9 @@ def _positive(value, name: str) -> None:
         raise UsageError(f"{name} must be at least 1, got {value}")
 
 
+MODE_LETTERS = re.compile(r"[rnbp]+(?::\d+(?:x\d+)*)?")  # "b", "rb", "b:4x2": not a module
+
+
 def program_argv(program: Sequence[str], python: str, module: bool = False,
                  no_python: bool = False, runs_itself: bool = False) -> list[str]:
     """The ranks' argv, torchrun's way: ``-m MODULE args`` runs ``python -m MODULE args``,
@@ -305,6 +308,10 @@ def program_argv(program: Sequence[str], python: str, module: bool = False,
     if module:
         if not program:
             raise UsageError("-m/--module needs a module: ddlrun [options] -m MODULE [args...]")
+        if MODE_LETTERS.fullmatch(program[0]):
+            # ddlrun's -m once took DDL's mode letters: say so rather than run "python -m b"
+            raise UsageError(f"-m is torchrun's --module (python -m {program[0]} ...); DDL's "
+                             f"mode letters are given with --mode {program[0]}")
         return [python, "-m", *program]
     if no_python or not program or not program[0].endswith(".py") or runs_itself:
         return program

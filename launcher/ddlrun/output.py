@@ -350,6 +350,9 @@ class OutputSink:
         self.tag = tag
         self.ranks = ranks
         self._term = Terminal(stdout or sys.stdout, stderr or sys.stderr, tty)
+        # per stream: the rank of a tagged line still open after a "\r" (mpirun and srun tag
+        # lines, so the pieces after its "\r" arrive without a tag)
+        self._open_raw: dict[str, int | None] = {}
         self._lock = threading.Lock()
         self._tails: dict[int, deque[str]] = {}
         self._tail_lines = tail_lines
@@ -395,9 +398,13 @@ class OutputSink:
         """A line that is already tagged (mpirun --output tag, srun --label)."""
         rank, untagged = tagged_rank(text)
         with self._lock:
+            if rank is None:
+                rank = self._open_raw.get(stream)
+            self._open_raw[stream] = rank if text.endswith("\r") else None
             self._keep_tail(-1, text)
             if self._shown(rank, untagged):
-                self._term.piece((-1, stream), stream, "", text)
+                # each rank's own line state: one rank's "\r" progress never takes in another's
+                self._term.piece((-1 if rank is None else rank, stream), stream, "", text)
 
     def _keep_tail(self, rank: int, text: str) -> None:
         tail = self._tails.setdefault(rank, deque(maxlen=self._tail_lines))

@@ -317,7 +317,7 @@ def grid(ranks_per_host: int, nhosts: int, racks: int | None, aisles: int | None
 
 def inherited_options(text: str | None, drop_mode: bool) -> list[str]:
     """DDL_OPTIONS from ddlrun's own environment, as options given before the command
-    line's --ddloption; its ``-mode`` yields to -m/--mode (``drop_mode``)."""
+    line's --ddloption; its ``-mode`` yields to --mode (``drop_mode``)."""
     words = (text or "").split()
     if drop_mode and "-mode" in words:
         at = words.index("-mode")
@@ -356,11 +356,11 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]],
 
 
 def default_mode() -> str:
-    """The mode letters when ``-m`` gives none: the core's own default
+    """The mode letters when ``--mode`` gives none: the core's own default
     (``ddl.options.DEFAULT_MODE``, the one source), so a job under ddlrun and one started
     by hand run the same algorithm."""
     options = core.require(core.options(), "its default mode",
-                           "give the letters with -m/--mode (r, n, b, p), or reinstall powerddl")
+                           "give the letters with --mode (r, n, b, p), or reinstall powerddl")
     return options.DEFAULT_MODE
 
 

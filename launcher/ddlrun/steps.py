@@ -223,15 +223,26 @@ def python_target(argv: Sequence[str]) -> tuple[str, str] | None:
         if word == "--":
             path = next(words, None)
             return ("file", path) if path else None
-        if word == "-" or word.startswith("-c"):
+        if word == "-":
             return None
-        if word.startswith("-m"):
-            name = word[2:] or next(words, None)
-            return ("module", name) if name else None
-        if word in _PYTHON_VALUED:
-            next(words, None)
-        elif not word.startswith("-"):
+        if not word.startswith("-"):
             return "file", word
+        if word.startswith("--"):  # --check-hash-based-pycs VALUE, --help...
+            if word in _PYTHON_VALUED:
+                next(words, None)
+            continue
+        # short options, combined as python takes them: -u, -uc CODE, -um pkg, -Wignore
+        for i, letter in enumerate(word[1:], 1):
+            rest = word[i + 1:]
+            if letter == "c":
+                return None
+            if letter == "m":
+                name = rest or next(words, None)
+                return ("module", name) if name else None
+            if f"-{letter}" in _PYTHON_VALUED:
+                if not rest:
+                    next(words, None)
+                break
     return None
 
 

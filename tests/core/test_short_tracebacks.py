@@ -206,3 +206,25 @@ def test_troubleshooting_shows_what_a_mismatch_prints(tmp_path):
                          timeout=180)
     summary = [t for t in (out.stdout + out.stderr).splitlines() if t.startswith("ddlrun:")]
     assert normalized(summary) == normalized(shown), "\n".join(summary)
+
+
+def test_the_programs_own_callback_between_ddls_frames_stays():
+    """ddl calling back into the program (a hook, a compressor) that calls ddl again: the
+    program's frame in the middle stays, ddl's own between are cut."""
+    inner = compile("def deep(n):\n    if n == 0:\n        raise ValueError('x')\n    "
+                    "deep(n - 1)\n", os.path.join(os.path.dirname(failures.__file__),
+                                                   "fake_deep.py"), "exec")
+    ns: dict = {}
+    exec(inner, ns)  # noqa: S102
+    entry = _user_calls_ddl()
+
+    def callback(n):  # the program's own code, called by "ddl"
+        entry(ns["deep"], n)
+
+    try:
+        entry(callback, 3)
+    except ValueError as exc:
+        short = failures.short_traceback(exc.__traceback__)
+    names = [t.tb_frame.f_code.co_name for t in _entries(short)]
+    assert names == ["test_the_programs_own_callback_between_ddls_frames_stays", "entry",
+                     "callback", "deep"], names

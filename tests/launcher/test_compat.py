@@ -226,7 +226,10 @@ def test_torchrun_module_and_no_python():
     assert cfg("--module", "pkg").request.program == (sys.executable, "-m", "pkg")
     assert cfg("--no-python", "train.py", "-v").request.program == ("train.py", "-v")
     assert cfg("train.py").request.program == (sys.executable, "train.py")
-    for bad, says in ((("-m",), "needs a module"), (("-m", "--no-python", "p"), "not both")):
+    for bad, says in ((("-m",), "needs a module"), (("-m", "--no-python", "p"), "not both"),
+                      # ddlrun's -m once took DDL's mode letters: refused, not "python -m b"
+                      (("-m", "b", "-n", "2", "train.py"), "--mode b"),
+                      (("-m", "b:4x2", "train.py"), "--mode b:4x2")):
         with pytest.raises(UsageError, match=says):
             cfg(*bad)
 
@@ -267,3 +270,25 @@ def test_config_from_args_reads_no_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(UsageError, match=f"cannot read --hostfile {path}"):
         read_files([(path, "--hostfile")])
+
+
+def test_what_a_python_command_runs_is_read_as_python_reads_it():
+    """The program check before any rank starts (steps.check_program) reads python's own
+    options, combined ones included: a valid command is never refused as a missing file."""
+    from ddlrun.steps import python_target
+
+    cases = {
+        ("-um", "pkg.train"): ("module", "pkg.train"),
+        ("-Esm", "x"): ("module", "x"),
+        ("-uc", "print(1)"): None,
+        ("-c", "x"): None,
+        ("-",): None,
+        ("-W", "ignore", "t.py"): ("file", "t.py"),
+        ("-Wignore", "t.py"): ("file", "t.py"),
+        ("-X", "dev", "-u", "t.py"): ("file", "t.py"),
+        ("-OO", "t.py", "-m", "x"): ("file", "t.py"),
+        ("--check-hash-based-pycs", "always", "t.py"): ("file", "t.py"),
+        ("--", "t.py"): ("file", "t.py"),
+    }
+    got = {args: python_target(("python", *args)) for args in cases}
+    assert got == cases

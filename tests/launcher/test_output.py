@@ -382,3 +382,17 @@ def test_two_real_ranks_on_a_terminal_keep_one_live_line():
     rows = [r for r in screen(data.decode().replace("\r\n", "\n")) if r]
     assert "\x1b[1m" in data.decode()  # a terminal keeps the colours
     assert sorted(rows) == sorted(final_states(0) + final_states(1)), rows
+
+
+def test_tagged_ranks_keep_their_own_progress_line():
+    """Under mpirun/srun (lines already tagged) one rank's "\\r" progress and another
+    rank's line stay apart; the piece after a tagged "\\r" is still that rank's."""
+    out, err = io.StringIO(), io.StringIO()
+    sink = OutputSink(tag=False, stdout=out, stderr=err, tty=False, ranks=frozenset({0}))
+    sink.raw("stdout", "[1,0]<stdout>: epoch 1  45% |#####     |\r")
+    sink.raw("stdout", "[1,1]<stdout>: hi\n")
+    sink.raw("stdout", "[1,0]<stdout>: epoch 1  90% |######### |\r")
+    sink.raw("stdout", " done\n")
+    # rank 1 is not chosen; rank 0's line in its final state, as a terminal shows it (the
+    # untagged " done" written over the line's start after its "\r")
+    assert out.getvalue() == " done<stdout>: epoch 1  90% |######### |\n", out.getvalue()

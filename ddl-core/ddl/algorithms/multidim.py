@@ -167,3 +167,5 @@ class MultiDim:
 
 class _Abandon(Exception):
     """Another dimension failed: stop quietly, its error is the one reported."""
+
+    ddl_internal = True  # passed between ddl's layers: never shown to a user (failures)

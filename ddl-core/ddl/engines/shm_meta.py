@@ -215,6 +215,8 @@ class Unfolded(Exception):  # noqa: N818 - an outcome, not a failure
     or the identities call for the error path. Every rank decided the same from the same
     records. ``result``: the elementwise MAX of every rank's descriptor."""
 
+    ddl_internal = True  # passed between ddl's layers: never shown to a user (failures)
+
     def __init__(self, result: np.ndarray):
         super().__init__("the call's data did not move in its first step")
         self.result = result

@@ -205,6 +205,8 @@ class Retry(BaseException):  # noqa: N818 - an outcome, not a failure
     any rank; its rank issues it again (after the round's named calls, which may run
     first). A BaseException, so that no handler of the call's own errors takes it."""
 
+    ddl_internal = True  # passed between ddl's layers: never shown to a user (failures)
+
 
 # What a step that met a round does first, on every rank of the set: named.py registers it
 # (it runs the named calls every rank has submitted). negotiate knows nothing of names.
