@@ -96,9 +96,12 @@ def test_no_python_runs_the_program_as_it_is(tmp_path):
 
 
 @pytest.mark.parametrize("program,code,says", [
-    (["python", "nosuch.py"], 2, "can't open file"),
+    # the ranks' python is ddlrun's own: a bare "python" on PATH may be another one, which
+    # the preflight refuses first (it cannot import ddl)
+    ([sys.executable, "nosuch.py"], 2, "can't open file"),
     (["-m", "h6_no_such_module"], 2, "No module named h6_no_such_module"),
-    (["python", "-u", "-m", "h6_no_such_module.sub"], 2, "No module named h6_no_such_module"),
+    ([sys.executable, "-u", "-m", "h6_no_such_module.sub"], 2,
+     "No module named h6_no_such_module"),
     (["--no-python", "h6-no-such-program"], 127, "cannot start 'h6-no-such-program'"),
 ])
 def test_a_missing_program_fails_in_one_line_before_any_rank(tmp_path, program, code, says):
