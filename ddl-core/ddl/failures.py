@@ -36,6 +36,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -146,13 +147,8 @@ def after_peer(exc: BaseException) -> bool:
     exception it was raised while handling is a ddl error that says so, or carries the
     message of one that ddl raised in this process (``errors.peer_failures``)."""
     known = peer_failures()
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in _chain(exc, lambda e: [e.__cause__, e.__context__,
+                                    *getattr(e, "exceptions", ())]):
         if isinstance(e, DDLError) and e.after_peer:
             return True
         try:
@@ -161,27 +157,50 @@ def after_peer(exc: BaseException) -> bool:
             text = ""
         if any(m in text for m in known):
             return True
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
     return False
+
+
+def _chain(exc: BaseException, links: Callable[[BaseException], list]
+           ) -> Iterator[BaseException]:
+    """Each exception of ``exc``'s chain once; ``links(e)``, asked after the caller has
+    had ``e`` (it may change what ``e`` links to), names the ones ``e`` leads to."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += links(e)
 
 
 def user_frame(tb: TracebackType | None) -> tuple[str, int, str]:
     """(file, line, function) of the innermost frame outside ddl's own package: the
     program's own code first, else a library's; ("", 0, "") without a traceback."""
     frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(tb)]
-    outside = [f for f in frames
-               if not f[0].startswith("<") and not os.path.abspath(f[0]).startswith(_PACKAGE)]
-    own = [f for f in outside if not os.path.abspath(f[0]).startswith(_LIBRARIES)]
+    outside = [f for f in frames if _whose(f[0]) in ("library", "program")]
+    own = [f for f in outside if _whose(f[0]) == "program"]
     for found in (own, outside, frames):
         if found:
             return found[-1]
     return "", 0, ""
 
 
+def _whose(filename: str) -> str:
+    """Whose code a file is: "ddl" (this package), "library" (the interpreter's and
+    installed packages'), "program" (the user's own), or "" (``<stdin>``, ``<string>``)."""
+    if filename.startswith("<"):
+        return ""
+    path = os.path.abspath(filename)
+    if path.startswith(_PACKAGE):
+        return "ddl"
+    return "library" if path.startswith(_LIBRARIES) else "program"
+
+
 def ours(tb: TracebackType) -> bool:
     """Whether the traceback entry is a frame of ddl's own package."""
-    name = tb.tb_frame.f_code.co_filename
-    return not name.startswith("<") and os.path.abspath(name).startswith(_PACKAGE)
+    return _whose(tb.tb_frame.f_code.co_filename) == "ddl"
 
 
 def short_traceback(tb: TracebackType | None) -> TracebackType | None:
@@ -211,10 +230,7 @@ def short_traceback(tb: TracebackType | None) -> TracebackType | None:
 def _programs(tb: TracebackType) -> bool:
     """Whether the entry is a frame of the program's own code (neither ddl's nor a
     library's): a callback ddl called (a hook, a compressor) stays in a short traceback."""
-    name = tb.tb_frame.f_code.co_filename
-    path = os.path.abspath(name)
-    return (not name.startswith("<") and not path.startswith(_PACKAGE)
-            and not path.startswith(_LIBRARIES))
+    return _whose(tb.tb_frame.f_code.co_filename) == "program"
 
 
 def _internal(exc: BaseException) -> bool:
@@ -235,13 +251,8 @@ def for_user(exc: BaseException) -> BaseException:
     returns ``exc``."""
     if config.get("DDL_DEBUG"):
         return exc
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    shown = lambda e: [e.__cause__] + ([] if e.__suppress_context__ else [e.__context__])
+    for e in _chain(exc, shown):
         e.__traceback__ = short_traceback(e.__traceback__)
         if isinstance(e, DDLError) or (e.__context__ is not None
                                        and _internal(e.__context__)):
@@ -249,9 +260,6 @@ def for_user(exc: BaseException) -> BaseException:
         if e.__cause__ is not None and _internal(e.__cause__):
             e.__cause__ = None
             e.__suppress_context__ = True
-        todo.append(e.__cause__)
-        if not e.__suppress_context__:
-            todo.append(e.__context__)
     return exc
 
 

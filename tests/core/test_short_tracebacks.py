@@ -120,15 +120,21 @@ def _user_calls_ddl():
     return ns["entry"]
 
 
-def test_short_traceback_keeps_the_entry_and_the_raising_line_of_ddl():
-    inner = compile("def deep(n):\n    if n == 0:\n        raise ValueError('x')\n    "
-                    "deep(n - 1)\n", os.path.join(os.path.dirname(failures.__file__),
-                                                   "fake_deep.py"), "exec")
+def _ddls_deep():
+    """A recursive function whose frames count as ddl's own (its file is in the package):
+    ``deep(n)`` raises ValueError at line 3 after n calls of itself."""
+    code = compile("def deep(n):\n    if n == 0:\n        raise ValueError('x')\n    "
+                   "deep(n - 1)\n", os.path.join(os.path.dirname(failures.__file__),
+                                                  "fake_deep.py"), "exec")
     ns: dict = {}
-    exec(inner, ns)  # noqa: S102
-    entry = _user_calls_ddl()
+    exec(code, ns)  # noqa: S102 - frames with a filename of ddl's, for the test
+    return ns["deep"]
+
+
+def test_short_traceback_keeps_the_entry_and_the_raising_line_of_ddl():
+    deep, entry = _ddls_deep(), _user_calls_ddl()
     try:
-        entry(ns["deep"], 5)
+        entry(deep, 5)
     except ValueError as exc:
         before = [t.tb_frame.f_code.co_name for t in _entries(exc.__traceback__)]
         short = failures.short_traceback(exc.__traceback__)
@@ -211,15 +217,10 @@ def test_troubleshooting_shows_what_a_mismatch_prints(tmp_path):
 def test_the_programs_own_callback_between_ddls_frames_stays():
     """ddl calling back into the program (a hook, a compressor) that calls ddl again: the
     program's frame in the middle stays, ddl's own between are cut."""
-    inner = compile("def deep(n):\n    if n == 0:\n        raise ValueError('x')\n    "
-                    "deep(n - 1)\n", os.path.join(os.path.dirname(failures.__file__),
-                                                   "fake_deep.py"), "exec")
-    ns: dict = {}
-    exec(inner, ns)  # noqa: S102
-    entry = _user_calls_ddl()
+    deep, entry = _ddls_deep(), _user_calls_ddl()
 
     def callback(n):  # the program's own code, called by "ddl"
-        entry(ns["deep"], n)
+        entry(deep, n)
 
     try:
         entry(callback, 3)
