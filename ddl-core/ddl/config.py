@@ -408,6 +408,17 @@ _VARS += [
 ]
 
 _VARS += [
+    EnvVar("DDL_FLIGHT_RECORDER", _int, 2048,
+           "entries in each rank's flight recorder, the ring of its last collectives "
+           "(kind, name, dtype and shape, sequence number, state, times); dumped on a "
+           "timeout, a peer's loss or a mismatch and on SIGURG (ddlrun --diagnose); 0: off",
+           low=0, high=1 << 20),
+    EnvVar("DDL_FLIGHT_DIR", str, None,
+           "folder of the flight recorder's dumps (rank<N>.json, rank<N>.stacks.txt; mode "
+           "0600); ddlrun sets one per job; unset: <tmp>/ddl-flight-<uid>/<job id>"),
+]
+
+_VARS += [
     # Set by ddlrun for every rank (the launcher's registry has it too).
     EnvVar("DDL_ERROR_FILE", str, None,
            "where this rank writes its failure record (JSON: the uncaught exception, the "

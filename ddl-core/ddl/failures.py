@@ -20,8 +20,9 @@ epoch), ``type`` (module-qualified name), ``message``, ``file``/``line``/``funct
 user's frame: the innermost frame outside ddl's own package, preferring the program's own
 code to the libraries'), ``after_peer`` (whether the exception is a consequence of another
 rank's failure: ddl raised a DDLPeerError or DDLTimeoutError in this process and this
-exception is one, was raised while handling one, or carries its message on), ``thread``
-and ``traceback`` (its last lines). A main-thread record replaces a thread's; otherwise
+exception is one, was raised while handling one, or carries its message on), ``thread``,
+``traceback`` (its last lines) and ``flight`` (``ddl.flight.summary()``: the collectives
+this rank issued and had not finished, or null). A main-thread record replaces a thread's; otherwise
 the first one stays.
 """
 
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
-from . import config
+from . import config, flight
 from .errors import DDLError, peer_failures
 
 VERSION = 1
@@ -277,7 +278,15 @@ def record(exc: BaseException, thread: str = "MainThread") -> dict:
     return dict(version=VERSION, rank=_rank(), pid=os.getpid(), host=socket.gethostname(),
                 time=time.time(), type=name, message=message[:MESSAGE_CHARS],
                 file=file, line=line, function=function, after_peer=after_peer(exc),
-                thread=thread, traceback=tb[-TRACEBACK_CHARS:])
+                thread=thread, traceback=tb[-TRACEBACK_CHARS:], flight=_flight())
+
+
+def _flight() -> dict | None:
+    """The flight recorder's summary: what this rank's collectives were doing."""
+    try:
+        return flight.summary()
+    except Exception:  # noqa: BLE001 - the record matters more than its extra
+        return None
 
 
 def _rank() -> int | None:
@@ -293,7 +302,7 @@ def write(path: str, rec: dict) -> bool:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(rec, f)
+            json.dump(rec, f, default=str)  # an odd name in the flight summary stays text
         os.replace(tmp, path)
     except OSError as exc:
         _log.warning("[ddl] cannot write this rank's failure record to %s (DDL_ERROR_FILE): "

@@ -117,9 +117,12 @@ class GroupMaker:
             net.close()
             raise
 
-    @staticmethod
-    def _group(ranks: tuple[int, ...], pos: int, engine: Engine) -> Group:
-        return Group(ranks, pos, engine, Runtime(), owned=True)
+    def _group(self, ranks: tuple[int, ...], pos: int, engine: Engine) -> Group:
+        # the flight recorder's name of its queue: the same on every member (the k-th
+        # group of these ranks), another for each group of the same ranks
+        k = self._made[ranks] - 1
+        name = f"group {list(ranks)}" + (f" #{k + 1}" if k else "")
+        return Group(ranks, pos, engine, Runtime(name), owned=True)
 
     def _shm(self, scope: str, pos: int, n: int, init_timeout: float) -> ShmEngine:
         kwargs = dict(self._shm_kwargs, init_timeout=init_timeout)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from . import flight as _flight
 from . import grid, tensors
 from .devices import DeviceRouter
 from .errors import DDLConfigError, DDLError, DDLMismatchError
@@ -276,5 +277,12 @@ def issue(make: Callable[[], Callable[[], Any]], first: Any, op: Any, label: str
     spelling of a collective (``ddl.api``) is this call naming its plan; ``first`` (the
     tensor, or the first of a list) and ``op`` tell a refusal where the call would go."""
     label = name or label
-    return dispatch(_planned(make, first, op, label, group), label, async_=async_, group=group)
+    job = _planned(make, first, op, label, group)
+    what = None
+    if _flight.ring is not None:
+        try:
+            what = (first.dtype, first.shape, op)
+        except AttributeError:  # not a tensor: the recorder shows the name alone
+            pass
+    return dispatch(job, label, async_=async_, group=group, what=what)
 

@@ -12,10 +12,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import flight as _fl
 from . import timeline as _tl
 from .errors import DDLError, DDLTimeoutError
 
 _log = logging.getLogger("ddl")
+_clock = _fl.clock
 
 _waiting = [0]  # threads blocked in QueuedHandle.wait(): their cores are idle
 _waiting_lock = threading.Lock()
@@ -109,11 +111,24 @@ class QueuedHandle(Handle):
                 _log.exception("ddl: a done-callback of %s raised", self.name or "an operation")
 
 
+def _fl_failed(e: list, exc: BaseException) -> None:
+    e[5], e[6] = _clock(), type(exc).__name__
+    _fl.on_failure(exc)
+
+
 class Runtime:
-    def __init__(self) -> None:
+    """``queue`` names this runtime's collectives in the flight recorder ("job", or the
+    group's ranks): each queue numbers its own calls, the same way on every member."""
+
+    def __init__(self, queue: str = "job") -> None:
+        self.queue_name = queue
+        self._calls = 0  # collectives run or queued here: the flight recorder's numbers
+        fr = _fl.slots(queue)
+        self._fr, self._fr_mask = fr if fr is not None else (None, 0)
         self._engine_lock = threading.Lock()
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[QueuedHandle, Callable[[], Any]]] = collections.deque()
+        self._queue: collections.deque[tuple[QueuedHandle, Callable[[], Any], list | None]] = \
+            collections.deque()
         self._busy = 0  # queued or running
         self._finishing = 0  # done, its handle's callbacks running
         self._thread: threading.Thread | None = None
@@ -128,24 +143,46 @@ class Runtime:
             self._cv.wait_for(lambda: self._finishing == 0, timeout)
             return self._busy
 
-    def run(self, fn: Callable[[], Any], name: str = "") -> Any:
+    def run(self, fn: Callable[[], Any], name: str = "", what: Any = None) -> Any:
+        """Run ``fn`` (a collective named ``name``; ``what`` describes its tensor for the
+        flight recorder) behind the earlier queued work, on this thread when none is
+        queued."""
         # An unlocked read is enough: only this thread's own earlier submits matter for
         # ordering, and those are counted before submit() returns.
         if self._busy == 0:
             with self._engine_lock:
-                if _tl.recorder is None and _tl.torch_profiler() is None:
-                    return fn()
-                return _tl.inline(fn, name)
-        return self.submit(fn, name).wait()
+                traced = _tl.recorder is not None or _tl.torch_profiler() is not None
+                fr = self._fr
+                if fr is None:
+                    return _tl.inline(fn, name) if traced else fn()
+                n = self._calls
+                self._calls = n + 1
+                t = _clock()
+                e = [n, name, what, t, t, 0.0, None]
+                fr[n & self._fr_mask] = e
+                try:
+                    out = _tl.inline(fn, name) if traced else fn()
+                except BaseException as exc:
+                    _fl_failed(e, exc)
+                    raise
+                e[5] = _clock()
+                return out
+        return self.submit(fn, name, what).wait()
 
-    def submit(self, fn: Callable[[], Any], name: str = "") -> QueuedHandle:
+    def submit(self, fn: Callable[[], Any], name: str = "", what: Any = None) -> QueuedHandle:
         h = QueuedHandle(name)
         if _tl.recorder is not None or _tl.torch_profiler() is not None:
             fn = _tl.queued(fn, name, cycle=self._busy == 0)
         with self._cv:
             if self._closed:
                 raise DDLError("ddl was shut down; call ddl.init() again")
-            self._queue.append((h, fn))
+            e = None
+            if self._fr is not None:
+                n = self._calls
+                self._calls = n + 1
+                e = [n, name, what, _clock(), 0.0, 0.0, None]
+                self._fr[n & self._fr_mask] = e
+            self._queue.append((h, fn, e))
             self._busy += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="ddl-runtime", daemon=True)
@@ -160,13 +197,19 @@ class Runtime:
                     self._cv.wait()
                 if not self._queue:
                     return
-                h, fn = self._queue.popleft()
+                h, fn, e = self._queue.popleft()
             error = None
             try:
                 with self._engine_lock:
+                    if e is not None:
+                        e[4] = _clock()
                     result = fn()
+                if e is not None:
+                    e[5] = _clock()
             except BaseException as exc:  # handed to whoever waits on the handle
                 error, result = exc, None
+                if e is not None:
+                    _fl_failed(e, exc)
             with self._cv:
                 self._finishing += 1
             h._finish(result, error)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, failures, grid, identity, options, timeline
+from . import config, failures, flight, grid, identity, options, timeline
 from .devices import DeviceRouter
 from .engines.base import Engine
 from .engines.gloo import GlooContext
@@ -55,7 +55,7 @@ class Session:
 _session: Session | None = None
 # This process's ddl.init() calls so far. Every rank makes the same calls (as in Horovod),
 # so the count names one generation of the job on every rank: the rendezvous of each init
-# is told apart from the last one's, which may still hold the port (rendezvous.py).
+# is told apart from the last one's, which may still hold the port (rendezvous/server.py).
 _generation = 0
 
 
@@ -95,6 +95,7 @@ def init() -> None:
             desc = engine.describe() if isinstance(engine, DimsEngine) else engine.name
             _log.info("[ddl] %d ranks on %d host(s), engine %s: %s; options %s", world.size,
                       world.num_hosts, engine.name, desc, opts.to_string() or "(none)")
+        flight.start(world.rank, world.job_id)  # before the runtime, which writes to it
         runtime = Runtime()
         _session = Session(
             world=world, engine=engine, runtime=runtime, options=opts,
@@ -270,6 +271,7 @@ def shutdown() -> None:
                             s.rdzv.close()
                         _session = None
                         timeline.left_job()
+                        flight.left_job()
 
 
 def _at_exit() -> None:
@@ -423,10 +425,11 @@ def job_engine() -> Engine | None:
 
 
 def dispatch(job: Callable[[], Any], name: str, *, async_: bool,
-             group: Group | None = None) -> Any:
+             group: Group | None = None, what: Any = None) -> Any:
     """Queue ``job`` behind the earlier work of the job (or of ``group``: each group has
-    its own queue, as each torch process group has its own stream of work)."""
+    its own queue, as each torch process group has its own stream of work); ``what``
+    describes its tensor in the flight recorder (``ddl.flight.what_text``)."""
     runtime = (_session or current()).runtime if group is None else group.runtime
     if async_:
-        return runtime.submit(job, name)
-    return runtime.run(job, name)
+        return runtime.submit(job, name, what)
+    return runtime.run(job, name, what)

@@ -47,6 +47,7 @@ import time
 from typing import BinaryIO
 
 from . import envs
+from .diagnose import flight_folder, tidy
 from .failures import RecordFolder, read_record
 from .procs import Exit, ProcessSet, ProcSpec
 from .reaper import become_subreaper
@@ -132,7 +133,9 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     if swept:
         writer.send(t="swept", n=len(swept), bytes=sum(size for _, size in swept))
     # the rank's env from the spec (-x) may name its own record file
-    env_of = {r["rank"]: {**base, envs.DDL_ERROR_FILE: records.path(r["rank"]), **r["env"]}
+    flight = flight_folder(str(spec["job_id"]))
+    env_of = {r["rank"]: {**base, envs.DDL_ERROR_FILE: records.path(r["rank"]),
+                          envs.DDL_FLIGHT_DIR: flight, **r["env"]}
               for r in ranks}
     secret = job_secret(ranks[0]["env"]) if ranks else None
     procs = ProcessSet(on_line, on_exit, on_eof=on_eof)
@@ -156,6 +159,7 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
         send_stuck()
         procs.close(signal.SIGTERM, grace)
         records.remove()
+        tidy(flight)
         removed = cleanup(spec["job_id"], spec["host_index"], secret)
         writer.send(t="done", removed=len(removed))
     return 127 if start_error else 1 if failed.is_set() else 0

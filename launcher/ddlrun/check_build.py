@@ -6,14 +6,12 @@ Three steps, as in the rest of the launcher: ``gather()`` collects facts (a JSON
 it prints nothing), ``render()`` turns facts into text and ``missing()`` checks requirements
 against them; both are pure, so tests feed them a facts dict.
 
-Frameworks are probed in child processes of this python (``python -c ... <probe>``), each
-with a timeout and all at once: importing TensorFlow takes seconds, and an import that
-crashes or hangs (a broken CUDA install) must show as ``[ ]`` with its reason, not take
-ddlrun down. A package that is not installed is told by ``importlib.util.find_spec``
-without starting a child. With ``--require``, only the probes the required names need run
-(``probes_for``: ``--require nccl,gloo`` imports torch, never TensorFlow); a framework
-not probed shows its version from its package's metadata, ``checked: False``, and the
-engines that need it ``[?]`` (``ok: None``).
+Frameworks are probed in children of this python (``ddlrun.check_probes``), each with a
+timeout and all at once, so an import that crashes or hangs shows as ``[ ]`` with its
+reason. A package that is not installed is told by ``importlib.util.find_spec``
+without starting a child. A framework not probed (``--require`` asks for others) shows its
+version from its package's metadata, ``checked: False``, and the engines that need it
+``[?]`` (``ok: None``).
 
 Facts, by key: ``powerddl`` (version; whether ``import ddl`` works), ``python``,
 ``frameworks`` (torch, tensorflow, keras), ``engines`` (shm, gloo, nccl, mpi), ``launchers``
@@ -33,17 +31,18 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
 
 from . import version
+from .backends.lsf import LsfBackend
+from .backends.mpirun import MpirunBackend
+from .backends.slurm import SlurmBackend
+from .check_probes import PROBE_TIMEOUT, PROBES, Facts, probes_for, run_probe
 from .errors import UsageError
 from .hosts import detect_allocation
 from .preflight import count_gpus
 
-PROBE_TIMEOUT = 120.0  # seconds per child; TensorFlow's import alone takes ~5 s
 MISSING_EXIT = 3  # as a failed preflight; 2 stays a usage error (an unknown --require name)
 
 FRAMEWORKS = ("torch", "tensorflow", "keras")
@@ -52,175 +51,6 @@ LAUNCHERS = ("local", "ssh", "mpirun", "slurm", "lsf")
 REQUIREMENTS = (*FRAMEWORKS, *ENGINES, "cuda", "gpu", *LAUNCHERS[1:])
 
 _TITLES = {"torch": "PyTorch", "tensorflow": "TensorFlow", "keras": "Keras"}
-_REASON_CHARS = 200
-
-Facts = dict[str, Any]
-
-
-# ---------------------------------------------------------------------------- children
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return line[:_REASON_CHARS]
-
-
-def _probe_ddl() -> Facts:
-    try:
-        import ddl
-        from ddl import config
-        from ddl.engines import segments, shm  # noqa: F401  (the engine must import)
-    except Exception as exc:  # any import failure is a fact to show, not a crash
-        return {"ok": False, "error": _reason(exc)}
-    facts: Facts = {"ok": True, "version": ddl.__version__, "shm_dir": segments.SHM_DIR}
-    try:
-        # the registry's values, so DDL_SHM_* in this environment count as they will in a job
-        facts["staging_bytes"] = config.get("DDL_SHM_MAX_BYTES")
-        facts["heap_bytes"] = config.get("DDL_SHM_HEAP_BYTES")
-    except Exception as exc:
-        facts["config_error"] = _reason(exc)
-    return facts
-
-
-def _probe_torch() -> Facts:
-    try:
-        import torch
-    except Exception as exc:
-        return {"torch": {"ok": False, "error": _reason(exc)}}
-    cuda = torch.version.cuda  # None on a CPU build
-    hip = getattr(torch.version, "hip", None)
-    try:
-        cuda_ok = bool(cuda or hip) and torch.cuda.is_available()
-        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
-                   ] if cuda_ok else []
-    except Exception as exc:
-        cuda_ok, devices = False, []
-        cuda_error = _reason(exc)
-    else:
-        cuda_error = None
-    out: Facts = {"torch": {"ok": True, "version": torch.__version__, "cuda": cuda, "hip": hip,
-                            "cuda_available": cuda_ok, "cuda_error": cuda_error,
-                            "devices": devices}}
-    try:
-        from ddl.engines.device import available  # ddl's own rule for its device engines
-    except Exception as exc:
-        why = f"ddl does not import: {_reason(exc)}"
-        out["gloo"] = out["nccl"] = {"ok": False, "error": why}
-        return out
-    out["gloo"] = {"ok": available("gloo")}
-    nccl: Facts = {"ok": available("nccl")}
-    if nccl["ok"]:
-        try:
-            got = torch.cuda.nccl.version()
-            nccl["version"] = ".".join(map(str, got)) if isinstance(got, tuple) else str(got)
-        except Exception as exc:
-            nccl["version"], nccl["version_error"] = None, _reason(exc)
-    out["nccl"] = nccl
-    return out
-
-
-def _probe_tensorflow() -> Facts:
-    out: Facts = {}
-    # Keras shares the child: with its TensorFlow backend it imports TensorFlow anyway,
-    # and a second multi-second import would only add load.
-    try:
-        if importlib.util.find_spec("tensorflow") is not None:
-            import tensorflow as tf
-
-            out["tensorflow"] = {"ok": True, "version": tf.__version__,
-                                 "cuda": bool(tf.test.is_built_with_cuda()),
-                                 "gpus": len(tf.config.list_physical_devices("GPU"))}
-    except Exception as exc:
-        out["tensorflow"] = {"ok": False, "error": _reason(exc)}
-    if importlib.util.find_spec("keras") is None:
-        return out
-    try:
-        import keras
-
-        if hasattr(keras, "config") and hasattr(keras.config, "backend"):
-            backend = keras.config.backend()  # Keras 3: KERAS_BACKEND, else keras.json
-        else:
-            backend = keras.backend.backend()
-        out["keras"] = {"ok": True, "version": keras.__version__, "backend": backend}
-    except Exception as exc:
-        out["keras"] = {"ok": False, "error": _reason(exc),
-                        "backend": os.environ.get("KERAS_BACKEND")}
-    return out
-
-
-def _probe_mpi() -> Facts:
-    try:
-        import mpi4py
-
-        # MPI_Get_library_version needs no MPI_Init: a probe must not start an MPI job
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = False
-        from mpi4py import MPI
-
-        text = MPI.Get_library_version().replace("\x00", "").strip()
-        major, minor = MPI.Get_version()
-    except Exception as exc:
-        return {"ok": False, "error": _reason(exc)}
-    first = " ".join(text.splitlines()[0].split()) if text else ""
-    return {"ok": True, "library": first.split(",")[0], "library_version": text,
-            "standard": f"{major}.{minor}", "mpi4py": mpi4py.__version__}
-
-
-# what each child probes, and the top-level packages it needs (none found: no child)
-PROBES: dict[str, tuple[Callable[[], Facts], tuple[str, ...]]] = {
-    "ddl": (_probe_ddl, ("ddl",)),
-    "torch": (_probe_torch, ("torch",)),
-    "tensorflow": (_probe_tensorflow, ("tensorflow", "keras")),
-    "mpi": (_probe_mpi, ("mpi4py",)),
-}
-
-# the probe each requirement needs; ddl's (the header, /dev/shm) and MPI's (no MPI_Init,
-# a fraction of a second) always run
-_PROBE_OF = {"torch": "torch", "gloo": "torch", "nccl": "torch", "cuda": "torch",
-             "gpu": "torch", "tensorflow": "tensorflow", "keras": "tensorflow"}
-_ALWAYS = ("ddl", "mpi")
-
-
-def probes_for(required: Sequence[str]) -> set[str]:
-    """The probes ``--require`` needs: all of them without requirements (the whole
-    report), else ddl's, MPI's and those of the required names."""
-    if not required:
-        return set(PROBES)
-    return {*_ALWAYS, *(_PROBE_OF[name] for name in required if name in _PROBE_OF)}
-
-
-# argv[2] is the folder holding this ddlrun package: the child runs this very module,
-# even when the parent found ddlrun through a path the child's python lacks
-_CHILD = ("import sys; sys.path.insert(0, sys.argv[2]); "
-          "from ddlrun.check_build import child_main; child_main(sys.argv[1])")
-
-
-def child_main(name: str) -> None:
-    """Run one probe and print its facts as one JSON line (the last line of stdout)."""
-    facts = PROBES[name][0]()
-    sys.stdout.flush()
-    print(json.dumps(facts), flush=True)
-
-
-def run_probe(name: str, timeout: float = PROBE_TIMEOUT,
-              environ: Mapping[str, str] | None = None) -> Facts:
-    """One probe in a child of this python: its facts, or ``{"error": why}``."""
-    env = dict(os.environ if environ is None else environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's start-up chatter
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run([sys.executable, "-c", _CHILD, name, here], capture_output=True,
-                             text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no answer within {timeout:g} s (a hanging import?)"}
-    except OSError as exc:
-        return {"error": f"cannot run {sys.executable}: {exc.strerror}"}
-    for line in reversed(out.stdout.splitlines()):
-        with contextlib.suppress(ValueError):
-            data = json.loads(line)
-            if isinstance(data, dict):
-                return data
-    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"the probe exited {out.returncode}: {last}"[:_REASON_CHARS]}
 
 
 def _installed(names: Iterable[str]) -> bool:
@@ -302,10 +132,6 @@ def _shm_facts(ddl_facts: Facts, statvfs: Callable[[str], os.statvfs_result]) ->
 
 
 def _launchers() -> Facts:
-    from .backends.lsf import LsfBackend
-    from .backends.mpirun import MpirunBackend
-    from .backends.slurm import SlurmBackend
-
     mpirun = MpirunBackend.exe()
     paths = {"ssh": shutil.which("ssh"), "mpirun": mpirun and shutil.which(mpirun),
              "slurm": shutil.which("srun") if SlurmBackend.exists() else None,

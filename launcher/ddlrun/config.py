@@ -1,4 +1,4 @@
-"""The launcher's typed configuration: what ``cli.config_from_args`` makes of the
+"""The launcher's typed configuration: what ``configure.config_from_args`` makes of the
 command line, and what the steps (``steps``) read; ``Files``: what the files the command
 line names hold, read by ``steps.read_files`` before it (``config_from_args`` reads none)."""
 

@@ -14,7 +14,7 @@ of three policies, stated where it is used:
 
 Each accessor imports on every call (cheap once ``sys.modules`` holds it) and returns None
 when the import fails, so a test can take ddl away with a patched ``__import__``.
-``check_build`` is the exception: it imports ddl on purpose to report why it fails.
+``check_probes`` is the exception: it imports ddl on purpose to report why it fails.
 """
 
 from __future__ import annotations

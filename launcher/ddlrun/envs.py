@@ -114,7 +114,7 @@ PYTHONUNBUFFERED = _v("PYTHONUNBUFFERED", "option",
 DDLRUN_RANK_HOSTS = _v("DDLRUN_RANK_HOSTS", "layout",
                        "host index of every rank, comma-separated (mpirun, srun)")
 DDLRUN_HOST_GPUS = _v("DDLRUN_HOST_GPUS", "layout",
-                      "per host 'mode:ids' (see plan.HostGpus), hosts joined by ';'")
+                      "per host 'mode:ids' (see plan_types.HostGpus), hosts joined by ';'")
 
 # --------------------------------------------------------------- read by ddlrun
 DDL_PORT = _v("DDL_PORT", "read",
@@ -142,6 +142,11 @@ DDL_ERROR_FILE = _v("DDL_ERROR_FILE", "rank",
 DDLRUN_ERROR_DIR = _v("DDLRUN_ERROR_DIR", "layout",
                       "under mpirun/srun: the folder ddlrun.rankenv puts each rank's "
                       "DDL_ERROR_FILE in, where it exists on the rank's host")
+
+DDL_FLIGHT_DIR = _v("DDL_FLIGHT_DIR", "rank",
+                    "the job's folder for the ranks' flight recorder dumps on each host "
+                    "(<tmp>/ddl-flight-<uid>/<job id>, 0700, kept after the job: ddlrun "
+                    "names the files; diagnose.py)")
 
 # groups the code uses
 RANK_FROM_MANAGER = (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK)

@@ -25,7 +25,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_BYTES = 64 << 10  # a record is a few KiB; more is not one of ours
 
@@ -42,6 +42,9 @@ class FailureRecord:
     line: int = 0
     function: str = ""
     thread: str = "MainThread"
+    # ddl.flight's summary: the rank's collectives (issued, unfinished, last done), its
+    # waits on peers and its dump's path; None from a rank without the recorder
+    flight: dict | None = field(default=None, compare=False, hash=False)
 
     @classmethod
     def from_json(cls, data: object) -> FailureRecord | None:
@@ -53,14 +56,15 @@ class FailureRecord:
                        time=float(data["time"]), after_peer=bool(data.get("after_peer")),
                        file=str(data.get("file") or ""), line=int(data.get("line") or 0),
                        function=str(data.get("function") or ""),
-                       thread=str(data.get("thread") or "MainThread"))
+                       thread=str(data.get("thread") or "MainThread"),
+                       flight=data["flight"] if isinstance(data.get("flight"), dict) else None)
         except (KeyError, TypeError, ValueError):
             return None
 
     def to_json(self) -> dict:
         return {"type": self.type, "message": self.message, "time": self.time,
                 "after_peer": self.after_peer, "file": self.file, "line": self.line,
-                "function": self.function, "thread": self.thread}
+                "function": self.function, "thread": self.thread, "flight": self.flight}
 
     def where(self, cwd: str | None = None) -> str:
         """``file:line`` of the user's frame (relative to ``cwd`` when under it)."""

@@ -40,22 +40,24 @@ class HostSpec:
         return f"{self.user}@{self.name}" if self.user else self.name
 
 
+def _checked(pattern: re.Pattern[str], text: str, where: str, what: str, rule: str) -> str:
+    """``text`` when ``pattern`` matches all of it, else one line naming the rule: the one
+    check a host or user name passes before it can reach a command line."""
+    if not pattern.fullmatch(text):
+        raise UsageError(f"{where}: invalid {what} {text!r}: use letters, digits, '.', '-', "
+                         f"'_' {rule}")
+    return text
+
+
 def validate_hostname(name: str, where: str = "host") -> str:
-    if not _HOST.fullmatch(name):
-        raise UsageError(
-            f"{where}: invalid host name {name!r}: use letters, digits, '.', '-', '_' "
-            "(no spaces or shell characters, must not start with '-')"
-        )
-    return name
+    """``name`` if it is a host name ssh and mpirun may get, else a UsageError."""
+    return _checked(_HOST, name, where, "host name",
+                    "(no spaces or shell characters, must not start with '-')")
 
 
 def validate_user(user: str, where: str = "host") -> str:
-    if not _USER.fullmatch(user):
-        raise UsageError(
-            f"{where}: invalid user name {user!r}: use letters, digits, '.', '-', '_' "
-            "and start with a letter or '_'"
-        )
-    return user
+    """``user`` if it is a user name ssh may get (``user@host``), else a UsageError."""
+    return _checked(_USER, user, where, "user name", "and start with a letter or '_'")
 
 
 def digits(text: str) -> bool:

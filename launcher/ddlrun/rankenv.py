@@ -2,7 +2,7 @@
 start ranks themselves (mpirun, srun). Reads the rank from the launcher's variables
 (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK), the job layout from
 DDLRUN_RANK_HOSTS (host index of every rank, comma-separated) and DDLRUN_HOST_GPUS (per
-host ``mode:ids``, hosts joined by ';': see ``plan.HostGpus``), sets RANK, LOCAL_RANK,
+host ``mode:ids``, hosts joined by ';': see ``plan_types.HostGpus``), sets RANK, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK, DDL_HOST_INDEX, ROLE_RANK, horovodrun's HOROVOD_RANK,
 HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK/SIZE, OMP_NUM_THREADS, only with
 --include/--exclude GPU lists or --bind-gpus CUDA_VISIBLE_DEVICES (as ddlrun.plan does), and
@@ -18,9 +18,11 @@ import sys
 from collections.abc import Mapping
 
 from . import envs
+from .diagnose import flight_folder
 from .failures import record_path
 from .hosts import digits
-from .plan import HostFacts, HostGpus, cross_of, rank_env
+from .plan_env import cross_of, rank_env
+from .plan_types import HostFacts, HostGpus
 
 RANK_VARS = envs.RANK_FROM_MANAGER
 
@@ -41,6 +43,8 @@ def compute(env: Mapping[str, str], cores: int) -> dict[str, str]:
                    cross_of(sizes, host, local_rank))
     if local_size > cores and envs.OMPI_MCA_MPI_YIELD_WHEN_IDLE not in env:
         out[envs.OMPI_MCA_MPI_YIELD_WHEN_IDLE] = "1"
+    if env.get(envs.DDL_JOB_ID) and envs.DDL_FLIGHT_DIR not in env:
+        out[envs.DDL_FLIGHT_DIR] = flight_folder(env[envs.DDL_JOB_ID])
     folder = env.get(envs.DDLRUN_ERROR_DIR, "")
     if folder and os.path.isdir(folder):  # on ddlrun's host (or a shared filesystem)
         out[envs.DDL_ERROR_FILE] = record_path(folder, rank)

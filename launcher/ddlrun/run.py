@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from . import diagnose, flight_report
 from . import failures as blame
 from .backends.base import Backend
 from .events import Event, HostLost, JobExit, RankExit, StartFailed, Stuck, describe_code
@@ -163,9 +164,14 @@ def supervise(
                                         until=lambda e: _tier(e) == blame.ROOT)
                 failures = _blamed(failures, wall)
                 stuck = tuple(s for s in stuck if s.rank in remaining)
+                asked = _ask_flight(plan, backend, remaining)
+                lagging = None if stuck else _lagging(failures, asked, sink)
                 outcome = Outcome(_code(failures[0]), failures[0], tuple(sorted(remaining)),
                                   stuck)
-                _report_failure(plan, backend, sink, failures, stuck)
+                _report_failure(plan, backend, sink, failures, stuck, lagging)
+                _report_flight(plan, backend, sink, {
+                    e.rank: e.record.flight for e in failures
+                    if isinstance(e, RankExit) and e.record is not None}, asked)
         if outcome is None and seen:
             first = _blamed(seen, wall)[0]
             outcome = Outcome(_code(first), first)
@@ -178,6 +184,7 @@ def supervise(
     finally:
         with signals_deferred() as late:
             backend.close(grace)
+            diagnose.tidy(diagnose.flight_folder(plan.job_id))  # what killed ranks left
     outcome = outcome or Outcome(0)
     if late:
         outcome = replace(outcome, late_signal=late[0])
@@ -264,9 +271,41 @@ def _report_stuck(plan: JobPlan, sink: OutputSink, stuck: tuple[Stuck, ...],
             sink.note(f"{what}: it is the likely cause")
 
 
+def _lagging(failures: list[Event], asked: Asked, sink: OutputSink
+             ) -> tuple[int, dict, str] | None:
+    """A rank still running that the flight recorders show as the one the others wait on,
+    when no failed rank reported a cause of its own: the likely cause (a rank stuck in
+    I/O, a debugger or a deadlock raises nothing; one stuck outside Python answers with its
+    C-level stack only). With its dump ({} when it did not answer) and why it is named."""
+    if any(_tier(e) == blame.ROOT for e in failures):
+        return None
+    try:
+        dumps, signalled = asked
+        flights = {e.rank: e.record.flight for e in failures
+                   if isinstance(e, RankExit) and e.record is not None}
+        flights.update(dumps)
+        waited = flight_report.waited_on(flights)
+        late = flight_report.behind(flights)
+        for rank in (*waited, *late, *sorted(signalled - set(dumps))):
+            if rank not in signalled:
+                continue
+            if rank not in dumps:
+                why = "did not answer the flight recorder (stuck outside Python?)"
+            elif rank in late:
+                why = "is behind on the job's collectives"
+            else:
+                why = "is the rank the others waited on"
+            return rank, dumps.get(rank, {}), why
+    except Exception as exc:  # noqa: BLE001 - a diagnosis must not break the report
+        sink.note(f"(the flight recorders' diagnosis failed: {exc!r})")
+    return None
+
+
 def _report_failure(plan: JobPlan, backend: Backend, sink: OutputSink, failures: list[Event],
-                    stuck: tuple[Stuck, ...]) -> None:
-    """``failures`` in the order of blame: the culprit first."""
+                    stuck: tuple[Stuck, ...], lagging: tuple[int, dict, str] | None = None
+                    ) -> None:
+    """``failures`` in the order of blame: the culprit first; ``lagging``: a running rank
+    the flight recorders show behind (the likely cause when no rank reported one)."""
     first = failures[0]
     if isinstance(first, StartFailed):
         _report_cannot_start(sink, first.program, first.reason)
@@ -278,14 +317,24 @@ def _report_failure(plan: JobPlan, backend: Backend, sink: OutputSink, failures:
         _report_records(plan, backend, sink)
         return
     _report_stuck(plan, sink, stuck, first if isinstance(first, RankExit) else None)
+    cwd = backend.opts.cwd or os.getcwd()
+    if lagging is not None:
+        rank, dump, why = lagging
+        host = next((_host(plan, r.host_index) for r in plan.ranks if r.rank == rank), "?")
+        at = flight_report.where(dump or {"at": diagnose.read_stacks_frame(
+            diagnose.flight_folder(plan.job_id), rank)}, cwd)
+        pid = dump.get("pid") or backend.pids().get(rank, "?")
+        waiting = f"; rank {first.rank} failed waiting for it" if isinstance(
+            first, RankExit) else ""
+        sink.note(f"rank {rank} on host {host} (pid {pid}) {why} and still running"
+                  f"{', at ' + at if at else ''}: it is the likely cause{waiting}")
     if isinstance(first, HostLost):
         sink.note(f"{first.message}; stopping the job")
     else:
-        _report_rank(plan, backend, sink, first, explained=bool(stuck))
+        _report_rank(plan, backend, sink, first, explained=bool(stuck) or lagging is not None)
     # SIGTERM is what teardowns send (an agent stops its host's ranks on a failure there)
     later = [e for e in failures[1:] if isinstance(e, RankExit)
              and (e.code != -signal.SIGTERM or e.record is not None)]
-    cwd = backend.opts.cwd or os.getcwd()
     for e in later:
         if e.record is not None and not e.record.after_peer:
             sink.note(f"rank {e.rank} on host {_host(plan, e.host_index)} (pid {e.pid}) failed "
@@ -294,6 +343,8 @@ def _report_failure(plan: JobPlan, backend: Backend, sink: OutputSink, failures:
     if later:
         if stuck:
             cause = f"rank {stuck[0].rank}"
+        elif lagging is not None:
+            cause = f"rank {lagging[0]}"
         elif isinstance(first, RankExit):
             cause = f"rank {first.rank}"
         else:
@@ -325,6 +376,36 @@ def _report_rank(plan: JobPlan, backend: Backend, sink: OutputSink, ev: RankExit
         sink.note(f"logs: {logs.stdout} {logs.stderr}")
 
 
+Asked = tuple[dict[int, dict], set[int]]  # (dumps by rank, ranks signalled)
+
+
+def _ask_flight(plan: JobPlan, backend: Backend, remaining: set[int]) -> Asked:
+    """The flight recorders of the ranks still running on this host, asked before they
+    are stopped: a rank that is stuck, not failed, says where it is."""
+    pids = {r: p for r, p in backend.pids().items() if r in remaining}
+    if not pids:
+        return {}, set()
+    return diagnose.ask(pids, diagnose.flight_folder(plan.job_id))
+
+
+def _report_flight(plan: JobPlan, backend: Backend, sink: OutputSink,
+                   flights: dict[int, dict | None], asked: Asked = ({}, set())) -> None:
+    """What the ranks' flight recorders say: who is behind, at which collective."""
+    if plan.world_size < 2:
+        return
+    dumps, signalled = asked
+    try:
+        local = diagnose.flight_folder(plan.job_id) if signalled else None
+        lines = diagnose.report(flights, dumps, plan.world_size, local,
+                                backend.opts.cwd or os.getcwd(), signalled)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis must not break the report
+        lines = [f"(the diagnosis failed: {exc!r})"]
+    if lines:
+        sink.note("flight recorder: " + lines[0])
+        for line in lines[1:]:
+            sink.note(f"  {line}")
+
+
 def _report_records(plan: JobPlan, backend: Backend, sink: OutputSink) -> None:
     """Under a launcher that is one process (mpirun, srun): the records its ranks left
     where ddlrun can read them (``Backend.records``) name the root cause."""
@@ -343,6 +424,7 @@ def _report_records(plan: JobPlan, backend: Backend, sink: OutputSink) -> None:
     if after:
         names = ", ".join(f"rank {r}" for r in after)
         sink.note(f"then {names}: follow-on failures of rank {rank} (their output is above)")
+    _report_flight(plan, backend, sink, {r: rec.flight for r, rec in found.items()})
 
 
 def _report_timeout(plan: JobPlan, sink: OutputSink, timeout: float | None,

@@ -1,5 +1,5 @@
 """The steps of a run around the command line: ``read_files()`` (what the files it names
-hold, for the pure ``cli.config_from_args``), ``preflight()`` (probe the hosts),
+hold, for the pure ``configure.config_from_args``), ``preflight()`` (probe the hosts),
 ``check_program()`` (a missing script or module fails before any rank starts),
 ``job_inputs()`` (draw the job id, the port and the secret: the side effects planning
 needs), ``plan_job()`` (pure: ``plan.make_plan``), ``act()`` (print the plan for --dry-run,
@@ -31,15 +31,8 @@ from .errors import PreflightError, UsageError
 from .events import RankExit, describe_code
 from .hosts import HostSpec, is_local, read_text_lines
 from .output import OutputSink, log_paths
-from .plan import (
-    Attempt,
-    HostFacts,
-    JobPlan,
-    Request,
-    attempt_job_id,
-    describe,
-    make_plan,
-)
+from .plan import Attempt, HostFacts, JobPlan, Request, attempt_job_id, make_plan
+from .plan_render import describe
 from .preflight import (
     ProbeResult,
     ProbeRuns,
@@ -204,7 +197,7 @@ def runs_itself(path: str) -> bool:
 
 
 def read_files(named: Sequence[tuple[str, str]], script: str | None = None) -> Files:
-    """Read what ``cli.config_from_args`` needs of the files the command line names:
+    """Read what ``configure.config_from_args`` needs of the files the command line names:
     ``named`` as (path, what) pairs, each one's lines (a UsageError naming ``what path``
     when it cannot be read or is not UTF-8), and whether ``script`` runs itself."""
     texts = {path: tuple(read_text_lines(path, what)) for path, what in named}
@@ -396,7 +389,7 @@ def restart_inputs(cfg: Config, first: JobInputs, attempt: int,
     """The inputs of restart ``attempt`` (1, 2, ...) of the job ``first`` drew: a job id of
     its own (``attempt_job_id``: new shared memory), a port picked free again unless
     --master-port gave one, and a new secret unless it is the user's (a new rendezvous).
-    Restarts run on this host only (``cli.parse_max_restarts``), so the port is picked
+    Restarts run on this host only (``configure.parse_max_restarts``), so the port is picked
     here."""
     run_id = first.run_id or first.job_id
     port = cfg.master_port or pick()

@@ -430,7 +430,9 @@ def test_open_store_warns_once(caplog):
         r0.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "ddl"]
     assert lines == [f"ddl: the rendezvous at {LOCAL}:{port} is open: no DDL_JOB_SECRET "
-                     "(ddlrun sets one; see docs/security.md)"]
+                     "(ddlrun sets one for a job it starts whole; with one launcher per "
+                     "node, give every node the same DDL_JOB_SECRET or DDL_JOB_SECRET_FILE; "
+                     "see docs/security.md)"]
 
 
 # ------------------------------------------------------------------------ torch on it

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from doc_blocks import normalized, shown_after
 
 from ddl import failures
 from ddl.errors import DDLMismatchError
@@ -185,25 +186,8 @@ def _entries(tb):
     return out
 
 
-def normalized(lines: list[str]) -> list[str]:
-    """Lines with what differs between runs and machines replaced: paths up to the file
-    name, line numbers inside ddl, pids, job ids, rank numbers, line counts."""
-    out = []
-    for t in lines:
-        t = re.sub(r'File "[^"]*/([^/"]+)"', r'File "\1"', t)
-        t = re.sub(r"\(pid \d+\)", "(pid P)", t)
-        t = re.sub(r"job \d+_[0-9a-f]+", "job J", t)
-        t = re.sub(r"\brank \d\b", "rank R", t)
-        t = re.sub(r"last \d+ line", "last N line", t)
-        t = re.sub(r'(File "(?:api|shm_meta)\.py"), line \d+', r"\1, line N", t)
-        out.append(t.rstrip())
-    return out
-
-
 def test_troubleshooting_shows_what_a_mismatch_prints(tmp_path):
-    page = (Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md").read_text()
-    block = page.split("kept true by tests/core/test_short_tracebacks.py", 1)[1]
-    shown = block.split("```", 2)[1].splitlines()[1:]
+    shown = shown_after("kept true by tests/core/test_short_tracebacks.py")
     program = tmp_path / "train.py"
     program.write_text("import numpy as np\nimport ddl\n\nddl.init()\n"
                        "n = 3 if ddl.rank() == 0 else 4\nddl.allreduce(np.ones(n, np.float32))\n")

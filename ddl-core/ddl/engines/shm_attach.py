@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import failures
 from ..config import SLOT_MIN, show_size
-from ..errors import DDLConfigError, DDLShmError, DDLTimeoutError
+from ..errors import DDLConfigError, DDLError, DDLShmError, DDLTimeoutError
 from ..tensors import Pieces
 from . import cma as cma_mod
 from . import segments
@@ -143,7 +143,11 @@ class ControlSegment:
                 # not ready, or mapped between the token's write and the reservation of
                 # the rest (segments.create): the file has its full size soon, map it again
                 mm.close()
-            except (FileNotFoundError, ValueError):
+            except DDLError:  # another job's, or other settings: waiting changes nothing
+                if mm is not None:
+                    mm.close()
+                raise
+            except (FileNotFoundError, ValueError):  # not there yet, or still empty
                 if mm is not None:
                     mm.close()
             if time.monotonic() > deadline:

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .. import flight as _fl
 from .. import timeline as _tl
 from ..errors import DDLPeerError, DDLShmError, DDLTimeoutError
 
@@ -252,10 +253,13 @@ class Stepper:
         futex = self._futex
         q, flag = self._q, self._my + W_SLEEP
         rounds = 0
+        probed = False
         traced = _tl.clock() if _tl.recorder is not None else 0.0
         while True:
             seen = load(word)
             if seen >= seq:
+                if probed:
+                    _fl.end_wait()
                 if traced:
                     _tl.phase("peer wait", "wait", traced, _tl.clock(),
                               {"peer": self._grank[peer], "step": seq, "in": what[0]})
@@ -272,6 +276,7 @@ class Stepper:
                 q[flag] = 0
             now = time.monotonic()
             if now >= next_probe:
+                probed = True
                 self._probe(peer, word, seq, what, now - t0)
                 next_probe = now + 0.01
                 if futex is None and now - t0 > 0.02:
@@ -282,6 +287,7 @@ class Stepper:
         if q[word] >= seq:
             return  # it arrived (and may have exited since): nothing is wrong
         b = self._blk[peer]
+        _fl.note_wait(self._grank[peer], seq, q[b + W_SEQ], time.monotonic() - waited)
         state = q[b + W_STATE]
         peer_name = f"rank {self._grank[peer]}"
         if state == S_ABORTED:

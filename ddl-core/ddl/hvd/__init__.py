@@ -5,7 +5,10 @@
 - :mod:`.control`: the identity exchange every Horovod-level call starts with, and each
   process set's state; :mod:`.descriptor`: what the exchange carries, and the mismatch
   message; :mod:`.fold`: the exchange riding on the data's first step;
-- :mod:`.collectives`: each Horovod collective's one plan (scaling, compression, grouping);
+- :mod:`.collectives`: where every Horovod collective is found, and the reductions' plans
+  (scaling, compression, grouping); :mod:`.movement` (allgather, broadcast, alltoall),
+  :mod:`.objects` (objects, barrier), :mod:`.adasum_plan`: the other plans;
+  :mod:`.arguments`: the checks they share;
 - :mod:`.join`: ``hvd.join()``: a rank out of data keeps serving the others;
 - :mod:`.fusion`: the DistributedOptimizer's fusion-buffer planning;
 - :mod:`.compression`: Horovod's compressor objects;

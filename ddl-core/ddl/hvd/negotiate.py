@@ -230,10 +230,10 @@ def submit(kind: int, name: str | None, plan: Callable[[], Planned], *, async_: 
         _claim(name, seq, kind, st)
     job = _job(p, seq, st)
     if async_:
-        queued = _api.dispatch(job, label, async_=True, group=st.group)
+        queued = _api.dispatch(job, label, async_=True, group=st.group, what=p.call)
         return Handle(queued, seq, p.finish, label, st)
     try:
-        out = _api.dispatch(job, label, async_=False, group=st.group)
+        out = _api.dispatch(job, label, async_=False, group=st.group, what=p.call)
     finally:
         st.epoch += 1  # observe(seq, st)
         if seq > st.observed:

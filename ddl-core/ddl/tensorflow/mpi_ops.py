@@ -10,170 +10,47 @@ without one, ``numpy_function`` has no gradient at all. XLA cannot compile a
 
 Errors raised inside a ``tf.function`` reach the caller as TensorFlow errors whose message
 is ddl's (``DDLMismatchError: ...``), on every rank.
+
+This module holds the tensor collectives and their gradients; how one runs (eagerly, in a
+graph, staged from a GPU) is :mod:`.op_runner`'s. The object collectives
+(:mod:`.object_ops`) and the value ops such as ``rank_op`` (:mod:`.value_ops`) are
+re-exported here, where Horovod's ``horovod.tensorflow.mpi_ops`` has them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 import ddl
-from ddl import timeline as _tl
 from ddl.hvd import collectives as C
 from ddl.hvd import negotiate as ng
-from ddl.hvd import process_sets as _ps
 from ddl.hvd.adasum import Adasum
 from ddl.hvd.compression import Compressor
 from ddl.hvd.join import join as _join
 from ddl.hvd.process_sets import ProcessSet, global_process_set, scope
 
 from .compression import Compression
-
-
-class _Key:
-    """The name a collective carries in the core. In a TF1 graph (a ``tf.compat.v1``
-    session, not a ``tf.function``) every collective is named as Horovod names it: its
-    graph op is called ``name`` or ``<Prefix>_<input tensor name>`` (``:`` and ``/`` made
-    ``_``), within the current name scope and made unique by the graph, and the core gets
-    that op's full name (less the scope with ``ignore_name_scope``), so ranks can match a
-    session's independent collectives by name whatever order they run in. Eagerly and in a
-    ``tf.function`` (whose stateful ops run in program order) the name is the one given."""
-
-    __slots__ = ("name", "label", "_base", "_strip")
-
-    def __init__(self, name: str | None, prefix: str, tensors: Sequence[Any],
-                 ignore_name_scope: bool = False, label: str | None = None) -> None:
-        self.name = name
-        self.label = label or name or prefix
-        self._base: str | None = None
-        self._strip = ignore_name_scope
-        if _graph_mode():
-            if name is not None:
-                self._base = _normalize_name(name)
-            elif len(tensors) == 1:
-                self._base = f"{prefix}_{_normalize_name(tensors[0].name)}"
-            elif tensors:
-                self._base = _normalize_name(
-                    f"{prefix}_{tensors[0].name}_{tensors[-1].name}")
-            else:
-                self._base = prefix
-
-    def op_name(self) -> str:
-        return self._base if self._base is not None else _op_name(self.label)
-
-    def bind(self, op: tf.Operation) -> None:
-        """The graph op is made: its name is the collective's (TF1 graph mode only)."""
-        if self._base is not None:
-            self.name = op.name.rsplit("/", 1)[-1] if self._strip else op.name
-
-
-def _graph_mode() -> bool:
-    """Building a TF1 graph (``tf.compat.v1`` sessions): not eager, not a tf.function."""
-    return not tf.executing_eagerly() and not tf.inside_function()
-
-
-def _normalize_name(name: str) -> str:
-    """Horovod's ``_normalize_name``: every character but ``[a-zA-Z0-9_]`` made ``_``."""
-    return re.sub("[^a-zA-Z0-9_]", "_", name)
-
-
-def _run(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType],
-         key: _Key | str) -> list[tf.Tensor]:
-    """``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: now, or as one
-    stateful op of the graph being built. In eager calls ddl's mismatch and unsupported
-    errors are raised as Horovod's TensorFlow errors (see :func:`horovod_error`)."""
-    if isinstance(key, str):
-        key = _Key(key, key, ())
-    if tf.executing_eagerly():
-        device = _accelerator(inputs)
-        with horovod_errors():
-            if device is None:
-                outs = fn(*[np.asarray(t) for t in inputs])
-                return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
-            return _staged(fn, inputs, touts, key.label, device)
-
-    def call(*arrays: np.ndarray) -> list[np.ndarray]:
-        try:
-            return [np.asarray(o) for o in fn(*arrays)]
-        except ddl.DDLError as exc:
-            # TensorFlow keeps only the message of a ValueError (a mismatch arrives as
-            # InvalidArgumentError): it names ddl's error, so a script can tell them apart
-            raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
-
-    outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
-                             name=key.op_name())
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if outs:
-        key.bind(outs[0].op)
-    return outs
-
-
-class HorovodMismatchError(tf.errors.FailedPreconditionError, ddl.DDLMismatchError):
-    """Ranks called a collective with different shapes, dtypes, ops or roots: raised
-    eagerly where Horovod raises ``tf.errors.FailedPreconditionError``; it is a
-    ``ddl.DDLMismatchError`` (a ``ddl.DDLError``) too. Inside a ``tf.function`` or a TF1
-    session TensorFlow turns a Python error raised by an op into its own error
-    (``tf.errors.InvalidArgumentError`` here), whose message carries ddl's."""
-
-    def __init__(self, message: str) -> None:
-        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
-
-
-def horovod_error(exc: BaseException) -> BaseException:
-    """``exc`` as Horovod's TensorFlow binding raises it: a ``ddl.DDLMismatchError`` as a
-    :class:`HorovodMismatchError` (its attributes kept); anything else unchanged."""
-    if isinstance(exc, ddl.DDLMismatchError) and not isinstance(exc, HorovodMismatchError):
-        new = HorovodMismatchError(str(exc))
-        new.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(new)})
-        return new
-    return exc
-
-
-@contextlib.contextmanager
-def horovod_errors() -> Iterator[None]:
-    """Raise ddl's mismatch errors as Horovod's (see :func:`horovod_error`)."""
-    try:
-        yield
-    except ddl.DDLMismatchError as exc:
-        new = horovod_error(exc)
-        if new is exc:
-            raise
-        raise new from exc
-
-
-def _accelerator(inputs: Sequence[Any]) -> str | None:
-    """The device of the first input that lives off the host (a GPU), or None."""
-    for t in inputs:
-        device = getattr(t, "device", "") or ""
-        if ":GPU:" in device.upper():
-            return device
-    return None
-
-
-def _staged(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType],
-            name: str, device: str) -> list[tf.Tensor]:
-    """An eager call on GPU tensors: ddl's host engines need host memory, so the inputs are
-    copied to the host and the results back to ``device``, each copy a named range of the
-    timeline (``stage to host``/``stage to device``, with its bytes). Inside a
-    ``tf.function`` TensorFlow makes these copies around the ``numpy_function`` itself."""
-    with _tl.span("stage to host", "tensorflow",
-                  {"call": name, "device": device,
-                   "bytes": sum(int(np.prod(t.shape)) * t.dtype.size for t in inputs)}):
-        arrays = [np.asarray(t) for t in inputs]
-    outs = fn(*arrays)
-    with _tl.span("stage to device", "tensorflow",
-                  {"call": name, "device": device,
-                   "bytes": sum(int(np.asarray(o).nbytes) for o in outs)}), tf.device(device):
-        return [tf.identity(tf.convert_to_tensor(o, dtype=d)) for o, d in zip(outs, touts)]
-
-
-def _op_name(name: str) -> str:
-    return "DDL_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+from .object_ops import allgather_object, broadcast_object  # noqa: F401 - Horovod's names
+from .op_runner import (  # noqa: F401 - the errors are mpi_ops names too
+    HorovodMismatchError,
+    Key,
+    horovod_error,
+    horovod_errors,
+    run_op,
+)
+from .value_ops import (  # noqa: F401 - Horovod's names
+    PROCESS_SET_ERROR_INIT,
+    PROCESS_SET_ERROR_UNKNOWN_SET,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
 
 
 def _tensor(x: Any) -> tf.Tensor:
@@ -203,13 +80,13 @@ def _allreduce(x: tf.Tensor, average: bool | None, op: Any, pre: float, post: fl
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodAllreduce", [t], ignore_name_scope, name or "allreduce")
+        key = Key(name, "HorovodAllreduce", [t], ignore_name_scope, name or "allreduce")
 
         def step(a: np.ndarray) -> list[np.ndarray]:
             return [C.allreduce(a, average=average, name=key.name, op=op, prescale=pre,
                                 postscale=post, process_set=process_set)]
 
-        y, = _run(step, [t], [t.dtype], key)
+        y, = run_op(step, [t], [t.dtype], key)
         y.set_shape(t.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -276,14 +153,14 @@ def _grouped_allreduce(xs: list[tf.Tensor], average: bool | None, op: Any, pre: 
                        ignore_name_scope: bool = False) -> list[tf.Tensor]:
     @tf.custom_gradient
     def fwd(*ts: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodGroupedAllreduce", ts, ignore_name_scope,
-                   name or "grouped_allreduce")
+        key = Key(name, "HorovodGroupedAllreduce", ts, ignore_name_scope,
+                  name or "grouped_allreduce")
 
         def step(*arrays: np.ndarray) -> list[np.ndarray]:
             return C.grouped_allreduce(list(arrays), average=average, name=key.name, op=op,
                                        prescale=pre, postscale=post, process_set=process_set)
 
-        ys = _run(step, ts, [t.dtype for t in ts], key)
+        ys = run_op(step, ts, [t.dtype for t in ts], key)
         for y, t in zip(ys, ts):
             y.set_shape(t.shape)
 
@@ -336,12 +213,12 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodAllgather", [t], ignore_name_scope, name or "allgather")
+        key = Key(name, "HorovodAllgather", [t], ignore_name_scope, name or "allgather")
 
         def step(a: np.ndarray) -> list[np.ndarray]:
             return [C.allgather(a, name=key.name, process_set=process_set)]
 
-        y, = _run(step, [t], [t.dtype], key)
+        y, = run_op(step, [t], [t.dtype], key)
         y.set_shape(_shape_rows(t))
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -367,13 +244,13 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
     @tf.custom_gradient
     def fwd(*ts: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodGroupedAllgather", ts, ignore_name_scope,
-                   name or "grouped_allgather")
+        key = Key(name, "HorovodGroupedAllgather", ts, ignore_name_scope,
+                  name or "grouped_allgather")
 
         def step(*arrays: np.ndarray) -> list[np.ndarray]:
             return C.grouped_allgather(list(arrays), name=key.name, process_set=process_set)
 
-        ys = _run(step, ts, [t.dtype for t in ts], key)
+        ys = run_op(step, ts, [t.dtype for t in ts], key)
         for y, t in zip(ys, ts):
             y.set_shape(_shape_rows(t))
 
@@ -404,12 +281,12 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodBroadcast", [t], ignore_name_scope, name or "broadcast")
+        key = Key(name, "HorovodBroadcast", [t], ignore_name_scope, name or "broadcast")
 
         def step(a: np.ndarray) -> list[np.ndarray]:
             return [C.broadcast(a, root_rank, name=key.name, process_set=process_set)]
 
-        y, = _run(step, [t], [t.dtype], key)
+        y, = run_op(step, [t], [t.dtype], key)
         y.set_shape(t.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -441,7 +318,7 @@ def _broadcast_assign(vs: list[Any], root_rank: int, name: str | None, process_s
         for v, a in zip(vs, values):
             v.assign(a)
         return None
-    key = _Key(name, "HorovodGroupedBroadcast", vs, False, name or "broadcast_variables")
+    key = Key(name, "HorovodGroupedBroadcast", vs, False, name or "broadcast_variables")
 
     def step(*arrays: np.ndarray) -> list[np.ndarray]:
         out = [np.array(a, copy=True) for a in arrays]
@@ -449,7 +326,7 @@ def _broadcast_assign(vs: list[Any], root_rank: int, name: str | None, process_s
                            what="broadcast_variables", process_set=process_set)
         return out
 
-    outs = _run(step, [_read(v) for v in vs], [tf.as_dtype(v.dtype) for v in vs], key)
+    outs = run_op(step, [_read(v) for v in vs], [tf.as_dtype(v.dtype) for v in vs], key)
     for v, o in zip(vs, outs):
         o.set_shape(v.shape)
     return [v.assign(o) for v, o in zip(vs, outs)]
@@ -516,14 +393,14 @@ def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any,
 
     @tf.custom_gradient
     def fwd(t: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodAlltoall", [t], ignore_name_scope, name or "alltoall")
+        key = Key(name, "HorovodAlltoall", [t], ignore_name_scope, name or "alltoall")
 
         def step(a: np.ndarray, s: np.ndarray) -> list[np.ndarray]:
             y, r = C.alltoall(a, s if given else None, name=key.name,
                               process_set=process_set, with_splits=True)
             return [y, r.astype(np.int32)]
 
-        y, received = _run(step, [t, sp], [t.dtype, tf.int32], key)
+        y, received = run_op(step, [t, sp], [t.dtype, tf.int32], key)
         y.set_shape(_shape_rows(t))
         received.set_shape([scope(process_set).size])
 
@@ -542,8 +419,8 @@ def _reducescatter(xs: list[tf.Tensor], op: Any, pre: float, post: float,
                    ignore_name_scope: bool = False) -> list[tf.Tensor]:
     @tf.custom_gradient
     def fwd(*ts: tf.Tensor) -> Any:
-        key = _Key(name, "HorovodGroupedReducescatter" if grouped else
-                   "HorovodReducescatter", ts, ignore_name_scope, name or "reducescatter")
+        key = Key(name, "HorovodGroupedReducescatter" if grouped else
+                  "HorovodReducescatter", ts, ignore_name_scope, name or "reducescatter")
 
         def step(*arrays: np.ndarray) -> list[np.ndarray]:
             out = C.reducescatter(list(arrays), op=op, name=key.name,
@@ -551,7 +428,7 @@ def _reducescatter(xs: list[tf.Tensor], op: Any, pre: float, post: float,
                                   grouped=grouped)
             return out if grouped else [out]
 
-        ys = _run(step, ts, [t.dtype for t in ts], key)
+        ys = run_op(step, ts, [t.dtype for t in ts], key)
         for y, t in zip(ys, ts):
             y.set_shape(_shape_rows(t))
 
@@ -597,124 +474,15 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
 
 
-# ----------------------------------------------------------- join, barrier, objects
+# ------------------------------------------------------------- join, barrier
 def join() -> tf.Tensor:
     """Horovod's ``join``: this rank has no more data; it keeps serving the others'
     collectives until every rank has joined. Returns the rank that joined last."""
-    last, = _run(lambda: [np.asarray(_join(), dtype=np.int32)], [], [tf.int32], "join")
+    last, = run_op(lambda: [np.asarray(_join(), dtype=np.int32)], [], [tf.int32], "join")
     last.set_shape([])
     return last
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has called it (Horovod's ``barrier``)."""
     C.barrier(process_set)
-
-
-class _CloudPickle:
-    """Objects travel pickled with cloudpickle (lambdas and local classes included), as in
-    Horovod's TensorFlow ``broadcast_object``; TensorFlow tensors as their numpy values."""
-
-    @staticmethod
-    def dumps(obj: Any) -> np.ndarray:
-        import cloudpickle
-
-        data = cloudpickle.dumps(_to_numpy(obj))
-        return np.frombuffer(data, dtype=np.uint8).copy()
-
-    @staticmethod
-    def loads(data: np.ndarray) -> Any:
-        import cloudpickle
-
-        return cloudpickle.loads(data.tobytes())
-
-
-def _to_numpy(obj: Any) -> Any:
-    if isinstance(obj, (tf.Tensor, tf.Variable)):
-        return obj.numpy()
-    if isinstance(obj, dict):
-        return {k: _to_numpy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_numpy(v) for v in obj)
-    return obj
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
-                     name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s ``obj`` on every rank (eager; ``session`` is TF1's, not needed)."""
-    return C.broadcast_object(obj, root_rank, name, process_set, pickler=_CloudPickle)
-
-
-def allgather_object(obj: Any, session: Any = None, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Every rank's ``obj``, in rank order (eager)."""
-    return C.allgather_object(obj, name, process_set, pickler=_CloudPickle)
-
-
-# ------------------------------------------------------- rank_op, size_op and kin
-# Horovod's process-set error codes (horovod/common/common.h), returned by
-# process_set_included_op as Horovod's does.
-PROCESS_SET_ERROR_INIT = -1
-PROCESS_SET_ERROR_UNKNOWN_SET = -3
-
-
-def _value_op(value: Callable[[], int], default_name: str, name: str | None) -> tf.Tensor:
-    """An int32 scalar op whose value is read when it runs, not when it is built (a
-    stateful ``numpy_function`` in a graph or ``tf.function``; a constant eagerly), as
-    Horovod's ``rank_op`` and kin. Not differentiable."""
-    if tf.executing_eagerly():
-        return tf.constant(value(), dtype=tf.int32)
-    out = tf.numpy_function(lambda: np.asarray(value(), dtype=np.int32), [], tf.int32,
-                            stateful=True, name=name or default_name)
-    out = tf.stop_gradient(out)
-    out.set_shape([])
-    return out
-
-
-def _set_of(process_set_id: int) -> ProcessSet | None:
-    return _ps.by_id(process_set_id)
-
-
-def _set_size(process_set_id: int) -> int:
-    ps = _set_of(process_set_id)
-    if ps is None:
-        raise ddl.DDLConfigError(f"size_op: no process set with id {process_set_id}")
-    return ps.size()
-
-
-def _included(process_set_id: int) -> int:
-    if not ddl.is_initialized():
-        return PROCESS_SET_ERROR_INIT
-    ps = _set_of(process_set_id)
-    if ps is None:
-        return PROCESS_SET_ERROR_UNKNOWN_SET
-    return int(ps.included())
-
-
-def rank_op(name: str | None = None) -> tf.Tensor:
-    """Horovod's ``rank_op``: this process's rank, as an int32 scalar op evaluated when
-    it runs."""
-    return _value_op(ddl.rank, "HorovodRank", name)
-
-
-def local_rank_op(name: str | None = None) -> tf.Tensor:
-    """Horovod's ``local_rank_op``: this process's rank on its host, as an op."""
-    return _value_op(ddl.local_rank, "HorovodLocalRank", name)
-
-
-def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """Horovod's ``size_op``: the number of processes of the process set with id
-    ``process_set_id`` (0: every process), as an op."""
-    return _value_op(lambda: _set_size(process_set_id), "HorovodSize", name)
-
-
-def local_size_op(name: str | None = None) -> tf.Tensor:
-    """Horovod's ``local_size_op``: the number of processes on this host, as an op."""
-    return _value_op(ddl.local_size, "HorovodLocalSize", name)
-
-
-def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """Horovod's ``process_set_included_op``: 1 when this process is in the process set
-    with id ``process_set_id``, 0 when it is not; -1 before ``init()``, -3 for an unknown
-    id (Horovod's error codes)."""
-    return _value_op(lambda: _included(process_set_id), "HorovodProcessSetIncluded", name)

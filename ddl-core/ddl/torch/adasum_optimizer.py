@@ -32,7 +32,7 @@ from ddl.hvd.adasum import Adasum, check_size
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.process_sets import global_process_set
 
-from .optimizer_base import WrappedOptimizer, checked_arguments, too_many_passes
+from .optimizer_base import WrappedOptimizer, checked_arguments
 
 
 class AdasumDeltas(WrappedOptimizer):
@@ -63,15 +63,7 @@ class AdasumDeltas(WrappedOptimizer):
             raise ddl.DDLConfigError("gradient_predivide_factor needs op=Average, not Adasum")
         check_size(ddl.size())
         self._init_base(optimizer)
-        self._compression = compression
-        self._bpps = backward_passes_per_step
-        self._names = [n for n, p in named if p.requires_grad]
-        self._params = [p for _, p in named if p.requires_grad]
-        self._passes = [0] * len(self._params)
-        # Horovod's attributes of its _DistributedAdasumOptimizer
-        self._parameter_names = {p: n for n, p in named}
-        self._requires_update = set(self._params)
-        self._synchronized, self._should_synchronize = False, True
+        self._init_parameters(named, compression, backward_passes_per_step)
         self.process_set = global_process_set
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
@@ -86,9 +78,7 @@ class AdasumDeltas(WrappedOptimizer):
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            self._passes[i] += 1
-            if self._passes[i] > self._bpps:
-                raise too_many_passes(self._names[i], self._bpps)
+            self._count_pass(i)  # the gradients add up locally until step()
 
         return hook
 

@@ -45,7 +45,7 @@ from ddl.hvd.settings import fusion_threshold_bytes as _default_threshold
 
 from .adasum_optimizer import AdasumDeltas
 from .bucket_exchange import BucketExchange, Exchange
-from .optimizer_base import WrappedOptimizer, checked_arguments, set_scope, too_many_passes
+from .optimizer_base import WrappedOptimizer, checked_arguments, set_scope
 
 __all__ = ["DistributedAdasumOptimizer", "DistributedOptimizer", "Exchange"]
 
@@ -129,12 +129,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
-        self._compression = compression
-        self._parameter_names = {p: n for n, p in named}
-        self._bpps = backward_passes_per_step
-        self._names = [n for n, p in named if p.requires_grad]
-        self._params = [p for _, p in named if p.requires_grad]  # frozen ones never sync
-        self._requires_update = set(self._params)
+        self._init_parameters(named, compression, backward_passes_per_step)
         # A process set: its ranks reduce the gradients among themselves; the others do not
         # take part (no hooks; their step() applies their own gradients), as in Horovod.
         self._included, self._set_scope = set_scope(process_set)
@@ -148,9 +143,6 @@ class DistributedOptimizer(WrappedOptimizer):
             groups=_group_indices(self._params, num_groups, groups),
             scope=self._set_scope, process_set=process_set)
         self._lock = threading.Lock()
-        self._passes = [0] * len(self._params)  # this step's backward passes per gradient
-        self._should_synchronize = True
-        self._synchronized = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)] if self._included else []
         # every rank registers (the index is the same everywhere); only optimizers of the
@@ -222,10 +214,7 @@ class DistributedOptimizer(WrappedOptimizer):
             if not self._should_synchronize:
                 return
             with self._lock:
-                self._passes[i] += 1
-                if self._passes[i] > self._bpps:
-                    raise too_many_passes(self._names[i], self._bpps)
-                if self._passes[i] == self._bpps:
+                if self._count_pass(i):
                     self._exchange.gradient_ready(i)
 
         return hook

@@ -1,7 +1,8 @@
 """torch.optim's side of a wrapping optimizer, shared by both DistributedOptimizers
 (:mod:`ddl.torch.optimizer`, :mod:`ddl.torch.adasum_optimizer`): the argument checks every
 one makes first, in Horovod's order, and a base class whose ``param_groups``, ``state``,
-``defaults`` and state dict are the wrapped optimizer's own.
+``defaults`` and state dict are the wrapped optimizer's own, with the per-parameter state
+both optimizers share (Horovod's attributes, the count of backward passes).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None
 class WrappedOptimizer(torch.optim.Optimizer):
     """A torch optimizer that wraps another: it shares the wrapped one's ``param_groups``,
     ``state`` and ``defaults``, and its state dict is the wrapped one's. Subclasses call
-    :meth:`_init_base` first in their constructor."""
+    :meth:`_init_base` first in their constructor, then :meth:`_init_parameters`."""
 
     def _init_base(self, optimizer: torch.optim.Optimizer) -> None:
         """Run torch.optim.Optimizer's own constructor: it builds what the base class's
@@ -113,6 +114,28 @@ class WrappedOptimizer(torch.optim.Optimizer):
                                            optimizer.defaults)
         finally:
             optimizer.state, optimizer.param_groups = state, groups
+
+    def _init_parameters(self, named: list[tuple[str, torch.Tensor]], compression: Any,
+                         backward_passes_per_step: int) -> None:
+        """The per-parameter state of a DistributedOptimizer, under Horovod's attribute
+        names where Horovod has one. Only parameters that require a gradient are reduced:
+        frozen ones never sync."""
+        self._compression = compression
+        self._bpps = backward_passes_per_step
+        self._parameter_names = {p: n for n, p in named}
+        self._names = [n for n, p in named if p.requires_grad]
+        self._params = [p for _, p in named if p.requires_grad]
+        self._requires_update = set(self._params)
+        self._passes = [0] * len(self._params)  # this step's backward passes per gradient
+        self._synchronized, self._should_synchronize = False, True
+
+    def _count_pass(self, i: int) -> bool:
+        """One more backward pass of gradient ``i`` this step: whether it was the last one
+        (``backward_passes_per_step``); one more than that raises."""
+        self._passes[i] += 1
+        if self._passes[i] > self._bpps:
+            raise too_many_passes(self._names[i], self._bpps)
+        return self._passes[i] == self._bpps
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]

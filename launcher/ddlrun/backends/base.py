@@ -73,6 +73,11 @@ class Backend:
     def wait_output(self, rank: int, timeout: float) -> None:
         """Wait, at most ``timeout``, until a rank's output has all arrived."""
 
+    def pids(self) -> dict[int, int]:
+        """The running ranks' pids on ddlrun's own host, by rank (those it can signal to
+        ask for their flight recorder); none by default."""
+        return {}
+
     def records(self) -> dict[int, FailureRecord]:
         """Failure records by rank that came apart from the ranks' exits (mpirun, srun:
         read after the job); the other backends attach each to its ``RankExit``."""

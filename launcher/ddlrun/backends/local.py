@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from .. import envs
+from ..diagnose import flight_folder, tidy
 from ..events import Emit, RankExit, StartFailed, Stuck
 from ..failures import RecordFolder, read_record
 from ..output import OutputSink
@@ -32,7 +33,9 @@ class LocalBackend(Backend):
         records = self.records = RecordFolder(plan.job_id)
         base = dict(os.environ)
         # the rank's env from the plan (-x, a test's override) may name its own record file
-        env_of = {r.rank: {**base, envs.DDL_ERROR_FILE: records.path(r.rank), **r.env_dict()}
+        flight = flight_folder(plan.job_id)
+        env_of = {r.rank: {**base, envs.DDL_ERROR_FILE: records.path(r.rank),
+                           envs.DDL_FLIGHT_DIR: flight, **r.env_dict()}
                   for r in plan.ranks}
 
         def on_exit(ex: Exit) -> None:
@@ -62,11 +65,16 @@ class LocalBackend(Backend):
             self.procs.wait_output(rank, timeout)
 
     def pids(self) -> dict[int, int]:
-        return {k: p.pid for k, p in self.procs.procs.items()} if self.procs else {}
+        if self.procs is None:
+            return {}
+        running = set(self.procs.running())
+        return {k: p.pid for k, p in self.procs.procs.items() if k in running}
 
     def close(self, timeout: float) -> None:
         if self.procs is not None:
             self.procs.close(timeout=timeout)
         if self.records is not None:
             self.records.remove()
+        if self.plan is not None:
+            tidy(flight_folder(self.plan.job_id))
         # the job's segments: steps.act cleans this host with the job's secret

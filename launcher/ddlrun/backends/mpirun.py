@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..events import Emit
 from ..output import OutputSink
-from ..plan import JobPlan, rankfile_lines
+from ..plan import JobPlan
+from ..plan_render import rankfile_lines
 from .base import ssh_options
 from .single import SingleLauncherBackend
 

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import ddl.tensorflow as hvd
-from ddl.tensorflow import mpi_ops
+from ddl.tensorflow import op_runner
 
 hvd.init()
 GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
@@ -26,12 +26,12 @@ class OnCpu:
     device = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-found = {"gpu": mpi_ops._accelerator([OnCpu(), OnGpu()]),
-         "cpu": mpi_ops._accelerator([OnCpu(), tf.ones(2)])}
+found = {"gpu": op_runner._accelerator([OnCpu(), OnGpu()]),
+         "cpu": op_runner._accelerator([OnCpu(), tf.ones(2)])}
 hvd.start_timeline(sys.argv[1])
 x = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4))
 plain = hvd.allreduce(x, op=hvd.Sum)  # a host tensor: no staging
-mpi_ops._accelerator = lambda inputs: GPU
+op_runner._accelerator = lambda inputs: GPU
 staged = hvd.allreduce(x, op=hvd.Sum, name="staged")
 gathered = hvd.allgather(tf.ones((2, 3), tf.float64))
 hvd.stop_timeline()

@@ -1,0 +1,388 @@
+"""The command line's meaning: ``config_from_args(args, environ, files)`` -> a typed,
+validated ``Config``, with no side effects and no file read (the hostfile, rankfile,
+LSF's hostfile and the program's ``#!`` line come read by ``steps.read_files``, of the
+files ``files_named`` lists), so tests call it directly.
+
+Host precedence: ``-H`` or ``--hostfile`` (not both), else ``--nnodes N`` (> 1) or
+``--node-rank K`` without hosts: one ddlrun per node, torchrun-style (this host's ranks only,
+``RANK = K * nproc + local``, rendezvous at ``--master-addr``), else the Slurm/LSF allocation
+ddlrun runs in, else this host (``-n N`` local ranks). ``--launcher auto`` picks slurm/lsf
+inside an allocation, ssh when any host is not this one, local otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+
+from . import envs
+from .backends import LaunchOptions, is_root
+from .backends.mpirun import parse_mpiargs
+from .config import Config, Files
+from .core import validate_job_id
+from .errors import UsageError
+from .hosts import (
+    HostSpec,
+    check_slots,
+    detect_allocation,
+    digits,
+    is_local,
+    lsf_hosts,
+    parse_host_list,
+    parse_hostfile,
+    parse_selection,
+    slurm_hosts,
+)
+from .placement import parse_rankfile
+from .plan_env import validate_env_name
+from .plan_types import Request, attempt_job_id
+from .steps import FALLBACK_PORT
+
+MAX_RESTARTS = 1_000_000  # keeps every restart's job id (``attempt_job_id``) within 64
+IFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")  # a Linux interface name (IFNAMSIZ - 1)
+
+
+def _positive(value, name: str) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{name} must be at least 1, got {value}")
+
+
+MODE_LETTERS = re.compile(r"[rnbp]+(?::\d+(?:x\d+)*)?")  # "b", "rb", "b:4x2": not a module
+
+
+def program_argv(program: Sequence[str], python: str, module: bool = False,
+                 no_python: bool = False, runs_itself: bool = False) -> list[str]:
+    """The ranks' argv, torchrun's way: ``-m MODULE args`` runs ``python -m MODULE args``,
+    ``--no-python`` runs the program as it is, and a ``.py`` program that does not run
+    itself (``runs_itself``: an executable with a ``#!`` line, ``steps.read_files``) runs
+    with ``python`` (``ddlrun -n 2 train.py``)."""
+    program = list(program)
+    if module and no_python:
+        raise UsageError("give -m/--module or --no-python, not both")
+    if module:
+        if not program:
+            raise UsageError("-m/--module needs a module: ddlrun [options] -m MODULE [args...]")
+        if MODE_LETTERS.fullmatch(program[0]):
+            # ddlrun's -m once took DDL's mode letters: say so rather than run "python -m b"
+            raise UsageError(f"-m is torchrun's --module (python -m {program[0]} ...); DDL's "
+                             f"mode letters are given with --mode {program[0]}")
+        return [python, "-m", *program]
+    if no_python or not program or not program[0].endswith(".py") or runs_itself:
+        return program
+    return [python, *program]
+
+
+def parse_endpoint(text: str) -> tuple[str, int | None]:
+    """``--rdzv-endpoint host[:port]`` (IPv6 as ``[addr]:port``)."""
+    host, port = text, None
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = text[: end + 1], text[end + 1:]
+        if rest.startswith(":"):
+            port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if port is not None and not digits(port):
+        raise UsageError(f"--rdzv-endpoint {text!r}: the port must be a number")
+    return host.strip("[]"), int(port) if port is not None else None
+
+
+def parse_max_restarts(text: str | None, launcher: str, per_node: bool,
+                       job_id: str | None) -> int:
+    """``--max-restarts N``: a whole number 0 or more; above 0 only where ddlrun can
+    restart the job (the local launcher, one host), and with a ``--job-id`` that leaves
+    room for the restarts' ids (``attempt_job_id``)."""
+    if text is None:
+        return 0
+    if not digits(text.strip()) or int(text) > MAX_RESTARTS:
+        raise UsageError(f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, "
+                         f"got {text!r}")
+    count = int(text)
+    if count and (launcher != "local" or per_node):
+        where = ("one ddlrun per node (--nnodes/--node-rank)" if per_node
+                 else f"--launcher {launcher}")
+        raise UsageError(f"--max-restarts {count}: restarts are not supported with {where} "
+                         "yet, only with the local launcher (one host); drop --max-restarts")
+    if count and job_id is not None:
+        last = attempt_job_id(validate_job_id(job_id), count)
+        try:
+            validate_job_id(last)
+        except UsageError:
+            raise UsageError(f"--job-id {job_id!r} is too long for --max-restarts {count}: "
+                             f"the last restart's job id {last!r} must fit 64 characters"
+                             ) from None
+    return count
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a == b or (is_local(a) and is_local(b))
+
+
+def select_hosts(hosts: tuple[HostSpec, ...], include, exclude) -> tuple[HostSpec, ...]:
+    """Hosts left by --include / --exclude (their GPU lists are the planner's)."""
+    for what, entries in (("--include", include), ("--exclude", exclude)):
+        for name, _ in entries:
+            if not any(_same_host(name, h.name) for h in hosts):
+                raise UsageError(f"{what}: host {name!r} is not one of the job's hosts "
+                                 f"({', '.join(h.name for h in hosts)})")
+    if include:
+        hosts = tuple(h for h in hosts if any(_same_host(n, h.name) for n, _ in include))
+    if exclude:
+        hosts = tuple(h for h in hosts
+                      if not any(_same_host(n, h.name) and ids is None for n, ids in exclude))
+    if not hosts:
+        raise UsageError("--exclude leaves no hosts")
+    return hosts
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """Each option's own value, and the options that exclude each other."""
+    for value, name in ((args.nproc, "-n"), (args.accelerators, "--accelerators"),
+                        (args.racks, "--racks"), (args.aisles, "--aisles"),
+                        (args.nnodes, "--nnodes")):
+        _positive(value, name)
+    if args.accelerators is not None:
+        check_slots(args.accelerators, "--accelerators")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise UsageError(f"--master-port {args.master_port} is out of range 1-65535")
+    if args.hosts and args.hostfile:
+        raise UsageError("give -H or --hostfile, not both")
+    if args.include and args.exclude:
+        raise UsageError("give --include or --exclude, not both")
+
+
+def _check_run_values(args: argparse.Namespace) -> None:
+    """The ssh port, the interface name and the times."""
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        raise UsageError(f"--ssh-port {args.ssh_port} is out of range 1-65535")
+    if args.network_interface and not IFACE.fullmatch(args.network_interface):
+        raise UsageError(f"--network-interface {args.network_interface!r} is not an interface "
+                         "name")
+    for t, name in ((args.timeout, "--timeout"), (args.start_timeout, "--start-timeout")):
+        if t is not None and not (math.isfinite(t) and t > 0):  # nan would disable it
+            raise UsageError(f"{name} must be a positive number of seconds, got {t:g}")
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise UsageError(f"--grace must be 0 or more seconds, got {args.grace:g}")
+
+
+def _launcher_asked(args: argparse.Namespace) -> tuple[str, bool]:
+    """(--launcher or its horovodrun alias, whether --gloo was given)."""
+    launcher = args.launcher or "auto"
+    if args.launcher_alias:
+        alias = "--mpi" if args.launcher_alias == "mpirun" else "--gloo"
+        if args.launcher and args.launcher != "auto":
+            raise UsageError(f"give {alias} or --launcher, not both")
+        launcher = "mpirun" if args.launcher_alias == "mpirun" else "auto"
+    return launcher, args.launcher_alias == "gloo"
+
+
+def is_per_node(args: argparse.Namespace) -> bool:
+    """One ddlrun per node (torchrun-style): --nnodes N > 1 or --node-rank, without hosts."""
+    given_hosts = bool(args.hosts or args.hostfile)
+    per_node = not given_hosts and (args.node_rank is not None or (args.nnodes or 1) > 1)
+    if args.standalone and (per_node or given_hosts):
+        raise UsageError("--standalone runs one node: drop --nnodes/--node-rank/-H")
+    if args.node_rank is not None and given_hosts:
+        raise UsageError("--node-rank is for one ddlrun per node (without -H/--hostfile); "
+                         "with -H or --hostfile one ddlrun starts every host")
+    return per_node
+
+
+def uses_allocation(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The Slurm/LSF allocation the job's hosts come from: none with -H/--hostfile, one
+    ddlrun per node, --gloo or a launcher of ddlrun's own."""
+    launcher, gloo = _launcher_asked(args)
+    if args.hosts or args.hostfile or is_per_node(args) or gloo:
+        return None
+    return detect_allocation(environ) if launcher in ("auto", "slurm", "lsf") else None
+
+
+def _per_node_layout(args: argparse.Namespace, launcher: str, master_addr: str | None
+                     ) -> tuple[int | None, int]:
+    """One ddlrun per node: (ranks on this node or None for the default, --nnodes)."""
+    nnodes = args.nnodes
+    if nnodes is None:
+        raise UsageError("--node-rank needs --nnodes N (the number of nodes)")
+    node_rank = args.node_rank or 0
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes)")
+    if not master_addr:
+        raise UsageError("--nnodes without -H runs one ddlrun per node: give "
+                         "--master-addr (node 0's address, the same on every node)")
+    if launcher not in ("auto", "local"):
+        raise UsageError(f"--launcher {launcher}: one ddlrun per node starts its own "
+                         "node's ranks (local); use -H/--hostfile for ssh or mpirun")
+    accelerators, nproc = args.accelerators, args.nproc
+    if nproc is not None:
+        if accelerators is not None and accelerators * nnodes != nproc:
+            raise UsageError(f"-n {nproc} is not --nnodes {nnodes} x --nproc-per-node "
+                             f"{accelerators}")
+        if nproc % nnodes:
+            raise UsageError(f"-n {nproc} does not split evenly over --nnodes {nnodes}")
+        accelerators = check_slots(nproc // nnodes, "-n / --nnodes")
+    return accelerators, nnodes
+
+
+def _job_hosts(args: argparse.Namespace, environ: Mapping[str, str], files: Files
+               ) -> tuple[tuple[HostSpec, ...], str | None]:
+    """(hosts from -H, the hostfile's lines or the allocation, else this host; the
+    allocation's name or None), for a job that one ddlrun starts."""
+    if args.hosts:
+        return parse_host_list(args.hosts), None
+    if args.hostfile:
+        return parse_hostfile(files.lines(args.hostfile, "--hostfile"), args.hostfile), None
+    allocation = uses_allocation(args, environ)
+    if allocation == "slurm":
+        return slurm_hosts(environ), allocation
+    if allocation == "lsf":
+        return lsf_hosts(environ, lambda path: files.lines(path, envs.LSB_DJOB_HOSTFILE)
+                         ), allocation
+    slots = None if args.nproc is None else check_slots(args.nproc, "-n (this host)")
+    return (HostSpec("localhost", slots),), None
+
+
+def _auto_launcher(launcher: str, allocation: str | None, hosts: tuple[HostSpec, ...]) -> str:
+    """``--launcher auto``'s pick, and the check that ``local`` has no remote host."""
+    if launcher == "auto":
+        here = {socket.gethostname(), socket.getfqdn()}
+        if allocation:
+            launcher = allocation
+        elif all(is_local(h.name, here) for h in hosts):
+            launcher = "local"
+        else:
+            launcher = "ssh"
+    if launcher == "local" and not all(is_local(h.name, {socket.gethostname()}) for h in hosts):
+        raise UsageError("--launcher local runs on this host only; remove remote hosts or use "
+                         "--launcher ssh")
+    return launcher
+
+
+def _rank_env(args: argparse.Namespace) -> tuple[tuple[str, str | None], ...]:
+    """``-x KEY[=VAL]``: (name, value or None for this shell's)."""
+    env = []
+    for item in args.env:
+        key, eq, val = item.partition("=")
+        env.append((validate_env_name(key), val if eq else None))
+    return tuple(env)
+
+
+def _launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(
+        ssh_port=args.ssh_port,
+        ssh_identity=args.ssh_identity,
+        ssh_config=args.ssh_config,
+        remote_python=args.remote_python,
+        start_timeout=args.start_timeout,
+        grace=args.grace,
+        mpiargs=parse_mpiargs(args.mpiarg),
+        tcp=args.tcp,
+        network_interface=args.network_interface,
+        tag_output=args.tag_output,
+        is_root=is_root(),
+        rankfile_path=os.path.abspath(args.rankfile) if args.rankfile else None,
+        cwd=os.getcwd(),
+    )
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
+                     files: Files | None = None) -> Config:
+    """The typed, validated config of the command line. Pure: the files it names (the
+    hostfile, the rankfile, LSF's hostfile, the program's ``#!`` line) come read in
+    ``files`` (``steps.read_files``), so a missing or unreadable one is the same one-line
+    error there."""
+    files = files or Files()
+    program = list(args.program)
+    if program and program[0] == "--":
+        program = program[1:]
+    _check_values(args)
+    launcher, _ = _launcher_asked(args)
+    master_addr, master_port = args.master_addr, args.master_port
+    if args.rdzv_endpoint:
+        addr, port = parse_endpoint(args.rdzv_endpoint)
+        master_addr = master_addr or addr
+        master_port = master_port or port
+    per_node = is_per_node(args)
+    accelerators, nproc, nnodes = args.accelerators, args.nproc, None
+    allocation = None
+    if per_node:
+        accelerators, nnodes = _per_node_layout(args, launcher, master_addr)
+        nproc, hosts, launcher = None, (HostSpec("localhost"),), "local"
+        master_port = master_port or FALLBACK_PORT  # every node must agree: no free pick
+    else:
+        hosts, allocation = _job_hosts(args, environ, files)
+        if args.nnodes:
+            if len(hosts) < args.nnodes:
+                raise UsageError(f"--nnodes {args.nnodes}: only {len(hosts)} host(s) given")
+            hosts = hosts[: args.nnodes]
+    include = parse_selection(args.include, "--include") if args.include else ()
+    exclude = parse_selection(args.exclude, "--exclude") if args.exclude else ()
+    hosts = select_hosts(hosts, include, exclude)
+    rankfile = (parse_rankfile(files.lines(args.rankfile, "--rankfile"), args.rankfile)
+                if args.rankfile else ())
+    env = _rank_env(args)
+    launcher = _auto_launcher(launcher, allocation, hosts)
+    python = sys.executable if launcher == "local" else args.remote_python
+    program = program_argv(program, python, args.module, args.no_python,
+                           bool(program) and files.runs_itself(program[0]))
+    _check_run_values(args)
+    max_restarts = parse_max_restarts(args.max_restarts, launcher, per_node, args.job_id)
+    request = Request(
+        program=tuple(program),
+        hosts=hosts,
+        nproc=nproc,
+        accelerators=accelerators,
+        mode=args.mode,
+        racks=args.racks,
+        aisles=args.aisles,
+        ddloptions=tuple(args.ddloption),
+        no_ddloptions=args.no_ddloptions,
+        env=env,
+        network_interface=args.network_interface,
+        master_addr=master_addr,
+        tcp=args.tcp,
+        rankfile=rankfile,
+        bind_gpus=args.bind_gpus,
+        include=include,
+        exclude=exclude,
+        nnodes=nnodes,
+        node_rank=(args.node_rank or 0) if per_node else None,
+    )
+    return Config(
+        request=request,
+        options=_launch_options(args),
+        launcher=launcher,
+        dry_run=args.dry_run,
+        check=args.check,
+        cleanup=args.cleanup,
+        preflight=not args.no_preflight,
+        log_dir=args.log_dir,
+        timeout=args.timeout,
+        master_port=master_port,
+        job_id=args.job_id,
+        verbose=bool(args.verbose),
+        per_node=per_node,
+        max_restarts=max_restarts,
+        output_ranks=args.output_ranks,
+    )
+
+
+def files_named(args: argparse.Namespace, environ: Mapping[str, str]
+                ) -> tuple[list[tuple[str, str]], str | None]:
+    """The files ``config_from_args`` needs read (``steps.read_files``): ([(path, what)],
+    the ``.py`` program whose ``#!`` line decides whether it needs python)."""
+    named = []
+    if args.hostfile and not args.hosts:
+        named.append((args.hostfile, "--hostfile"))
+    if args.rankfile:
+        named.append((args.rankfile, "--rankfile"))
+    lsf_file = environ.get(envs.LSB_DJOB_HOSTFILE)
+    if lsf_file and uses_allocation(args, environ) == "lsf":
+        named.append((lsf_file, ""))
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    script = program[0] if program and program[0].endswith(".py") else None
+    return named, None if args.module or args.no_python else script
