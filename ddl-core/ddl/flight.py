@@ -4,8 +4,11 @@ Every collective queued on ddl's runtime (the job's and every group's, of every 
 framework) takes one entry: its sequence number on its queue, what it is (the spelling or
 Horovod name, dtype and shape where the caller knows them), when it was queued, started and
 finished, and whether it failed. The ring holds the last ``DDL_FLIGHT_RECORDER`` entries (0
-turns it off); an entry is a small list written by ``ddl.runtime`` in line, a few hundred
-nanoseconds a call. Engines that wait on a peer (the shared-memory engine) note which peer,
+turns it off); an entry is a small list written by ``ddl.runtime`` in line, under 0.2 us a
+call. A call run on the caller's thread (no earlier work queued) reads the clock once: its
+end is recorded as "done", and its end time is when the next call of its queue began (an
+upper bound, as PyTorch's recorder records when it discovered a completion); queued calls
+read their start and end times on the runtime's thread. Engines that wait on a peer (the shared-memory engine) note which peer,
 only once a wait has gone on for milliseconds (:func:`note_wait`).
 
 It is read when something went wrong:
@@ -25,6 +28,7 @@ The dump's entries are ordered oldest first; times are wall-clock seconds since 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import faulthandler
@@ -53,6 +57,7 @@ _TRIGGERS = (DDLTimeoutError, DDLPeerError, DDLMismatchError)
 
 # An entry's slots (a list: made with one allocation, finished with one store).
 SEQ, NAME, WHAT, QUEUED, STARTED, ENDED, ERROR = range(7)
+DONE_UNTIMED = -1.0  # ENDED of a call that finished on the caller's thread (see above)
 
 clock = time.monotonic
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -60,20 +65,16 @@ _log = logging.getLogger("ddl")
 
 
 class Ring:
-    """The recorder of this process: each queue (a ``ddl.runtime.Runtime``) writes its own
-    list of the last ``size`` entries (a power of two) in line, at ``seq & mask``; the
-    newest ``MAX_QUEUES`` queues are kept."""
+    """The recorder of this process: each queue (a ``ddl.runtime.Runtime``) appends its
+    entries in line to its own deque of the last ``size``; the newest ``MAX_QUEUES``
+    queues are kept."""
 
-    __slots__ = ("size", "mask", "queues", "rank", "folder", "dumped", "waits", "owner",
+    __slots__ = ("size", "queues", "rank", "folder", "dumped", "waits", "owner",
                  "_stacks")
 
     def __init__(self, size: int, rank: int = 0, folder: str | None = None) -> None:
-        n = 1
-        while n < size:
-            n <<= 1
-        self.size = n
-        self.mask = n - 1
-        self.queues: dict[int, tuple[str, list[list | None]]] = {}
+        self.size = size
+        self.queues: dict[int, tuple[str, collections.deque[list]]] = {}
         self.rank = rank
         self.folder = folder
         self.dumped = False
@@ -81,28 +82,46 @@ class Ring:
         self.owner = os.getpid()
         self._stacks: Any = None
 
-    def slots(self, queue: str) -> list[list | None]:
-        """A new queue's list of entries (its runtime writes them)."""
-        entries: list[list | None] = [None] * self.size
+    def slots(self, queue: str) -> collections.deque[list]:
+        """A new queue's deque of entries (its runtime appends them)."""
+        entries: collections.deque[list] = collections.deque(maxlen=self.size)
         self.queues[id(entries)] = (queue, entries)
         while len(self.queues) > MAX_QUEUES:  # the oldest group's go; never the job's
             del self.queues[next(k for k, (q, _) in self.queues.items() if q != "job")]
         return entries
 
-    def ordered(self) -> list[tuple[str, list]]:
-        """(queue, entry) of the newest ``size`` entries of every queue, oldest first (by
-        the time queued)."""
-        found = [(q, e) for q, entries in list(self.queues.values()) for e in list(entries)
-                 if e is not None]
+    def ordered(self) -> list[tuple[str, list, float]]:
+        """(queue, entry, end) of the newest ``size`` entries of every queue, oldest first
+        (by the time queued); ``end`` is the entry's end time, for a call done on the
+        caller's thread the next call's start (0 when unknown or not ended)."""
+        found = []
+        for q, entries in list(self.queues.values()):
+            mine = _copy(entries)
+            for i, e in enumerate(mine):
+                end = e[ENDED]
+                if end == DONE_UNTIMED:
+                    end = mine[i + 1][QUEUED] if i + 1 < len(mine) else 0.0
+                found.append((q, e, end))
         found.sort(key=lambda qe: (qe[1][QUEUED], qe[1][SEQ]))
         return found[-self.size:]
 
 
-def slots(queue: str) -> tuple[list[list | None], int] | None:
-    """For a new runtime of ``queue``: its list of entries and the mask of its sequence
-    numbers; None while the recorder is off."""
+def _copy(entries: collections.deque[list]) -> list[list]:
+    """The deque's entries; another thread may append while a dump (a signal handler on
+    the main thread) reads, which makes iterating fail: read again."""
+    for _ in range(100):
+        try:
+            return list(entries)
+        except RuntimeError:
+            continue
+    return []
+
+
+def slots(queue: str) -> collections.deque[list] | None:
+    """For a new runtime of ``queue``: its deque of entries; None while the recorder is
+    off."""
     r = ring
-    return None if r is None else (r.slots(queue), r.mask)
+    return None if r is None else r.slots(queue)
 
 
 ring: Ring | None = None
@@ -251,7 +270,7 @@ def what_text(what: Any) -> str:
     return str(what)
 
 
-def _entry(queue: str, e: list, now_mono: float, now_wall: float) -> dict:
+def _entry(queue: str, e: list, end: float, now_mono: float, now_wall: float) -> dict:
     def wall(t: float) -> float | None:
         return round(now_wall - (now_mono - t), 6) if t else None
 
@@ -265,7 +284,7 @@ def _entry(queue: str, e: list, now_mono: float, now_wall: float) -> dict:
         state = "queued"
     out = {"queue": queue, "seq": e[SEQ], "name": e[NAME], "what": _safe(what_text, e[WHAT]),
            "state": state, "queued": wall(e[QUEUED]), "started": wall(e[STARTED]),
-           "ended": wall(e[ENDED])}
+           "ended": wall(end)}
     if e[ERROR] is not None:
         out["error"] = e[ERROR]
     return out
@@ -289,7 +308,7 @@ def snapshot(limit: int | None = None) -> dict:
              for p, s, ps, t in list(r.waits.values())] if r is not None else []
     return {"version": VERSION, "rank": r.rank if r else None, "pid": os.getpid(),
             "host": socket.gethostname(), "time": now_wall, "waits": waits,
-            "entries": [_entry(q, e, now_mono, now_wall) for q, e in entries]}
+            "entries": [_entry(q, e, end, now_mono, now_wall) for q, e, end in entries]}
 
 
 def summary() -> dict | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from .errors import DDLError, DDLTimeoutError
 
 _log = logging.getLogger("ddl")
 _clock = _fl.clock
+_DONE_UNTIMED = _fl.DONE_UNTIMED
 
 _waiting = [0]  # threads blocked in QueuedHandle.wait(): their cores are idle
 _waiting_lock = threading.Lock()
@@ -112,7 +114,8 @@ class QueuedHandle(Handle):
 
 
 # A flight recorder entry is ddl.flight's list [SEQ, NAME, WHAT, QUEUED, STARTED, ENDED,
-# ERROR]; the hot path below writes it by literal index (4 started, 5 ended, 6 error).
+# ERROR]; the hot path below writes it by literal index (4 started, 5 ended, 6 error), and
+# a call run on the caller's thread ends with _fl.DONE_UNTIMED: one clock read a call.
 def _fl_failed(e: list, exc: BaseException) -> None:
     e[5], e[6] = _clock(), type(exc).__name__
     _fl.on_failure(exc)
@@ -123,9 +126,8 @@ class Runtime:
     group's ranks): each queue numbers its own calls, the same way on every member."""
 
     def __init__(self, queue: str = "job") -> None:
-        self._calls = 0  # collectives run or queued here: the flight recorder's numbers
-        fr = _fl.slots(queue)
-        self._fr, self._fr_mask = fr if fr is not None else (None, 0)
+        self._seq = itertools.count()  # the flight recorder's numbers of this queue's calls
+        self._fr = _fl.slots(queue)
         self._engine_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple[QueuedHandle, Callable[[], Any], list | None]] = \
@@ -156,17 +158,15 @@ class Runtime:
                 fr = self._fr
                 if fr is None:
                     return _tl.inline(fn, name) if traced else fn()
-                n = self._calls
-                self._calls = n + 1
                 t = _clock()
-                e = [n, name, what, t, t, 0.0, None]
-                fr[n & self._fr_mask] = e
+                e = [next(self._seq), name, what, t, t, 0.0, None]
+                fr.append(e)
                 try:
                     out = _tl.inline(fn, name) if traced else fn()
                 except BaseException as exc:
                     _fl_failed(e, exc)
                     raise
-                e[5] = _clock()
+                e[5] = _DONE_UNTIMED
                 return out
         return self.submit(fn, name, what).wait()
 
@@ -179,10 +179,8 @@ class Runtime:
                 raise DDLError("ddl was shut down; call ddl.init() again")
             e = None
             if self._fr is not None:
-                n = self._calls
-                self._calls = n + 1
-                e = [n, name, what, _clock(), 0.0, 0.0, None]
-                self._fr[n & self._fr_mask] = e
+                e = [next(self._seq), name, what, _clock(), 0.0, 0.0, None]
+                self._fr.append(e)
             self._queue.append((h, fn, e))
             self._busy += 1
             if self._thread is None:

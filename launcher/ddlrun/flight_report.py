@@ -201,8 +201,11 @@ def _rank_line(r: int, q: Mapping, at: Mapping | None, now: float | None, cwd: s
             parts.append(f"({e['error']})")
     elif q.get("done"):
         e = q["done"][-1]
-        age = _age(e.get("ended"), now)
-        parts.append(f"last finished {_call(e)}" + (f", {age} earlier" if age else ""))
+        # a call done on the caller's thread has no end time of its own when it is the last
+        ended = _age(e.get("ended"), now)
+        began = None if ended else _age(e.get("started") or e.get("queued"), now)
+        parts.append(f"last finished {_call(e)}" + (f", {ended} earlier" if ended else
+                                                     f", begun {began} earlier" if began else ""))
     for w in waits[:1]:
         parts.append(f"waiting on rank {w.get('peer')} (its engine step {w.get('peer_step')}, "
                      f"this rank's {w.get('step')})")

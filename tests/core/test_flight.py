@@ -42,6 +42,19 @@ def test_sync_and_queued_calls_are_numbered_per_queue(ring):
     assert all(e["ended"] >= e["started"] for e in q["job"]["done"])
 
 
+def test_a_call_done_inline_ends_when_the_next_of_its_queue_began(ring):
+    rt, other = Runtime("job"), Runtime("group [0, 1]")
+    rt.run(lambda: None, "first")
+    time.sleep(0.05)
+    other.run(lambda: None, "elsewhere")
+    rt.run(lambda: None, "second")
+    first, elsewhere, second = flight.snapshot()["entries"]
+    assert (first["name"], elsewhere["name"], second["name"]) == ("first", "elsewhere", "second")
+    assert first["state"] == "done" and first["ended"] == second["queued"]  # its own queue's
+    assert second["state"] == "done" and second["ended"] is None  # the last: no end yet known
+    assert elsewhere["ended"] is None
+
+
 def test_the_ring_keeps_the_newest_entries_in_order(ring):
     rt = Runtime()
     for i in range(20):

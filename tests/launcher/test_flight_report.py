@@ -132,7 +132,7 @@ def test_a_timeout_names_the_stuck_rank_as_troubleshooting_shows(tmp_path):
     assert os.path.exists(os.path.join(flight_folder(job), "rank1.json"))
     shown = shown_after(STUCK_MARK)
     assert stable(summary) == stable(shown), err
-    assert re.search(r"rank 1: last finished #4 allreduce\(float32\[4\], Average\), [0-9.]+ "
+    assert re.search(r"rank 1: last finished #4 allreduce\(float32\[4\], Average\), begun [0-9.]+ "
                      r"s earlier; now at stuck\.py:9 in <module>", err), err
 
 
