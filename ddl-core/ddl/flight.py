@@ -8,8 +8,9 @@ turns it off); an entry is a small list written by ``ddl.runtime`` in line, unde
 call. A call run on the caller's thread (no earlier work queued) reads the clock once: its
 end is recorded as "done", and its end time is when the next call of its queue began (an
 upper bound, as PyTorch's recorder records when it discovered a completion); queued calls
-read their start and end times on the runtime's thread. Engines that wait on a peer (the shared-memory engine) note which peer,
-only once a wait has gone on for milliseconds (:func:`note_wait`).
+read their start and end times on the runtime's thread. Engines that wait on a peer (the
+shared-memory engine) note which peer, only once a wait has gone on for milliseconds
+(:func:`note_wait`).
 
 It is read when something went wrong:
 
