@@ -427,6 +427,21 @@ _VARS += [
            "(unset: no record)"),
 ]
 
+_VARS += [
+    # Set by ddlrun for every worker of an elastic job (--min-np/--max-np, discovery).
+    EnvVar("DDL_ELASTIC_STORE", str, None,
+           "HOST:PORT of ddlrun's elastic store, which tells a worker its place in each new "
+           "world (ddl.elastic.run) and announces host changes; the job's secret guards it"),
+    EnvVar("DDL_ELASTIC_WORKER", str, None,
+           "this worker's name in an elastic job (host:slot): the key of its place"),
+    EnvVar("DDL_ELASTIC_GENERATION", _int, 0,
+           "the world this worker was started into (an elastic job counts them from 0)",
+           low=0, high=1 << 30),
+    EnvVar("DDL_ELASTIC_TIMEOUT", _number, 600.0,
+           "seconds a worker of an elastic job waits for the next world after a reset "
+           "(ddlrun --elastic-timeout)", low=0.1, high=1e7),
+]
+
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
 
 

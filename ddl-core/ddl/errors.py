@@ -21,7 +21,24 @@ class DDLError(RuntimeError):
     after_peer = False
 
 
-class _AfterPeer(DDLError):
+class HorovodInternalError(DDLError):
+    """A collective failed because the job lost a peer (it died, left or stopped answering
+    in time): Horovod's name, which elastic training (``ddl.elastic.run``) catches to
+    restore the last commit and go on with the ranks that are left."""
+
+
+class HostsUpdatedInterrupt(DDLError):
+    """Elastic training: hosts were added or removed, and every rank stops at the same
+    commit to re-form the world. ``skip_sync``: only removals, so every rank already holds
+    the state and it need not be broadcast again (Horovod's meaning)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the job's hosts changed: re-forming the world"
+                         + (" (hosts removed only)" if skip_sync else ""))
+        self.skip_sync = skip_sync
+
+
+class _AfterPeer(HorovodInternalError):
     """An error that another rank's failure caused (see the module's docstring)."""
 
     after_peer = True

@@ -146,7 +146,7 @@ def _identify(world: World) -> tuple[World, Rendezvous | None]:
     except PortInUse as exc:
         # Another job's rank 0 holds the port: that job may have taken in this job's other
         # ranks, and must not complete with them (identity.agree_job_id).
-        if secret is None and identity.report_second_owner(addr, port, _generation,
+        if secret is None and identity.report_second_owner(addr, port, _init_number(),
                                                            min(timeout, 2.0)):
             raise DDLConfigError(f"{exc}; the job that holds it was told, so neither job "
                                  "completes with the other's ranks") from None
@@ -165,7 +165,17 @@ def _join(world: World) -> Rendezvous:
     """This init's generation of ddl's rendezvous, kept in the session so that shutdown()
     closes it (an engine's own one would outlive the session and keep the port)."""
     return connect(world.rank, world.size, config.get("MASTER_ADDR"), _port(),
-                   identity.job_secret(), config.init_timeout(), generation=_generation)
+                   identity.job_secret(), config.init_timeout(), generation=_init_number())
+
+
+def _init_number() -> int:
+    """Which ``init()`` of the job this is, as every rank counts it (the rendezvous refuses
+    a rank at another one). In an elastic job each world is a new rendezvous that workers
+    reach after different numbers of inits (a new worker after none): the world's number
+    then (``DDL_ELASTIC_GENERATION``, which ddlrun sets for each world)."""
+    if config.get("DDL_ELASTIC_STORE"):
+        return config.get("DDL_ELASTIC_GENERATION") + 1
+    return _generation
 
 
 def _engine_kind(world: World, opts: options.Options) -> str:

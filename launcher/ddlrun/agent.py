@@ -8,7 +8,9 @@ every exit, and tears the ranks down (SIGTERM, deadline, SIGKILL) when
 - the launcher writes ``{"t": "stop"}`` or its stdin ends (launcher gone, connection
   dropped),
 - the agent gets SIGTERM, SIGINT or SIGHUP,
-- one of its ranks fails (fail fast: the launcher stops the other hosts).
+- one of its ranks fails (fail fast: the launcher stops the other hosts), unless the spec
+  says ``"elastic": true`` (an elastic job's workers: the others go on, and the agent ends
+  when all its ranks have exited).
 
 Before that teardown it reports which of its ranks are stopped (``stuck``), since the
 teardown continues them. The teardown also ends, by pid, what the ranks left running in
@@ -29,6 +31,9 @@ and wrote one), ``eof {r}`` (all of rank r's output was sent),
 teardown; ``starting``: stopped before its program was exec'd), ``error {m}`` (a rank's
 program could not be exec'd: the agent stops and exits 127), ``done {removed}``.
 ``--probe`` prints host facts for preflight instead.
+
+Messages from the launcher: ``stop``, ``stuck``, and for an elastic job ``jobs {jobs}``
+(the job ids of its later worlds, whose shared memory the agent removes at its end too).
 
 Nothing waits on a rank's start: ``started`` comes as soon as every rank is forked, and the
 agent answers ``stuck`` and ``stop`` from then on, even for a rank stopped before its exec.
@@ -77,6 +82,8 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     start_error: list[str] = []  # the first rank program that could not be exec'd
     ranks = spec["ranks"]
     grace = float(spec.get("grace", 5.0))
+    elastic = bool(spec.get("elastic"))
+    jobs = [str(spec["job_id"])]  # an elastic job's later worlds are named by {"t": "jobs"}
     records = RecordFolder(str(spec["job_id"]))
 
     def on_line(rank: int, stream: str, text: str) -> None:
@@ -98,7 +105,7 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
             writer.send(t="exit", r=ex.key, c=ex.code, p=ex.pid, w=wall, e=record.to_json())
         if ex.code != 0:
             failed.set()
-        if len(exits) == len(ranks) or ex.code != 0:
+        if len(exits) == len(ranks) or (ex.code != 0 and not elastic):
             stop.set()
 
     def on_eof(rank: int) -> None:
@@ -110,13 +117,16 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     def watch_stdin() -> None:
         for raw in iter(stdin.readline, b""):
             try:
-                kind = json.loads(raw).get("t")
+                msg = json.loads(raw)
+                kind = msg.get("t")
             except (ValueError, AttributeError):
                 continue
             if kind == "stop":
                 break
             if kind == "stuck":
                 send_stuck()
+            if kind == "jobs":  # an elastic job's new world: its segments are cleaned too
+                jobs.extend(str(j) for j in msg.get("jobs", ()) if str(j) not in jobs)
         stop.set()
 
     def on_signal(signum, frame) -> None:
@@ -137,7 +147,8 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
     env_of = {r["rank"]: {**base, envs.DDL_ERROR_FILE: records.path(r["rank"]),
                           envs.DDL_FLIGHT_DIR: flight, **r["env"]}
               for r in ranks}
-    secret = job_secret(ranks[0]["env"]) if ranks else None
+    # an agent with no ranks only removes what the job left here (a lost host's segments)
+    secret = job_secret(ranks[0]["env"] if ranks else spec.get("env", {}))
     procs = ProcessSet(on_line, on_exit, on_eof=on_eof)
     try:
         procs.start(
@@ -160,7 +171,10 @@ def run_agent(spec: dict, stdin: BinaryIO, stdout: BinaryIO) -> int:
         procs.close(signal.SIGTERM, grace)
         records.remove()
         tidy(flight)
-        removed = cleanup(spec["job_id"], spec["host_index"], secret)
+        removed = cleanup(spec["job_id"], None if elastic else spec["host_index"], secret)
+        for job in jobs[1:]:  # an elastic job's worlds: every host index this host had
+            tidy(flight_folder(job))
+            removed += cleanup(job, None, secret)
         writer.send(t="done", removed=len(removed))
     return 127 if start_error else 1 if failed.is_set() else 0
 

@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_per_host, metavar="N",
                    help="ranks per host (default, also 'gpu' or 'auto' as torchrun spells "
                    "it: slots, else GPUs detected, else 1 or -n)")
-    g.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", type=int,
+    g.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes",
                    metavar="N", help="with -H/--hostfile: use the first N hosts; without: "
-                   "one ddlrun per node, torchrun-style (with --node-rank, --master-addr)")
+                   "one ddlrun per node, torchrun-style (with --node-rank, --master-addr); "
+                   "torchrun's MIN:MAX only as N:N")
     g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, metavar="K",
                    help="this node's index (0..nnodes-1) when one ddlrun runs per node")
     g.add_argument("--standalone", action="store_true",
@@ -184,6 +185,33 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", metavar="N",
                    help="torchrun's: when a rank fails, stop every rank and start the whole "
                    "job again, up to N times (default 0; local launcher only)")
+    el = p.add_argument_group("elastic training (Horovod's; docs/elastic.md)")
+    el.add_argument("--min-np", "--min_np", dest="min_np", type=int, metavar="N",
+                    help="elastic: go on while at least N ranks are left (default: -np)")
+    el.add_argument("--max-np", "--max_np", dest="max_np", type=int, metavar="N",
+                    help="elastic: never more than N ranks, however many slots are found "
+                    "(default: -np)")
+    el.add_argument("--host-discovery-script", "--host_discovery_script",
+                    dest="host_discovery_script", metavar="SCRIPT",
+                    help="elastic: an executable printing the available hosts, one "
+                    "'host[:slots]' a line; ddlrun runs it again every few seconds")
+    el.add_argument("--slots", "--slots-per-host", dest="slots", type=int, metavar="N",
+                    help="elastic: slots of a discovered host that prints no ':slots'")
+    el.add_argument("--elastic-timeout", "--elastic_timeout", dest="elastic_timeout",
+                    type=float, metavar="SECONDS",
+                    help="elastic: how long workers wait for the next world (default 600)")
+    el.add_argument("--reset-limit", "--reset_limit", dest="reset_limit", type=int,
+                    metavar="N", help="elastic: fail after the world was re-formed N times "
+                    "(default: no limit)")
+    el.add_argument("--blacklist-cooldown-range", "--blacklist_cooldown_range",
+                    dest="blacklist_cooldown_range", type=float, nargs=2,
+                    metavar=("MIN", "MAX"),
+                    help="elastic: a failed slot or lost host may come back after a "
+                    "cooldown between MIN and MAX seconds (growing with each failure); "
+                    "default: never")
+    el.add_argument("--discovery-interval", dest="discovery_interval", type=float,
+                    default=3.0, metavar="SECONDS",
+                    help="elastic: seconds between runs of the discovery script (default 3)")
     a("-v", "--verbose", action="count", default=0,
       help="print the plan and commands (-vv: the same; mpirun's habit)")
     a("--version", action="version", version=f"ddlrun (powerddl) {version()}")

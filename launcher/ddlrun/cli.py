@@ -25,6 +25,7 @@ from .args import build_parser, parse_args
 from .backends import Backend, get_backend
 from .config import Config
 from .configure import MAX_RESTARTS, config_from_args, files_named
+from .elastic_run import run_elastic
 from .errors import LaunchError, PreflightError, UsageError
 from .output import OutputSink, silence
 from .plan import JobPlan
@@ -108,6 +109,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
         plan = plan_job(cfg, facts, inputs, os.environ)
         check_staging(cfg, plan, os.environ)
         backend.validate(plan)
+        if cfg.elastic is not None and not cfg.dry_run:
+            return run_elastic(cfg, facts, inputs, sink, os.environ)
 
         def next_attempt(attempt: int) -> tuple[JobPlan, Backend]:  # --max-restarts
             again = plan_job(cfg, facts, restart_inputs(cfg, inputs, attempt, os.environ),

@@ -12,6 +12,22 @@ from .plan import Request
 
 
 @dataclass(frozen=True)
+class Elastic:
+    """Horovod's elastic settings (``--min-np``, ``--max-np``, ``--host-discovery-script``
+    and the rest): the job re-forms its world in place when ranks are lost or hosts come."""
+
+    min_np: int
+    max_np: int
+    discovery_script: str | None = None  # absolute path; None: the hosts given, fixed
+    slots: int | None = None
+    timeout: float = 600.0
+    reset_limit: int | None = None
+    cooldown: tuple[float, float] | None = None
+    discovery_interval: float = 3.0
+    discovery_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
 class Config:
     request: Request
     options: LaunchOptions
@@ -28,6 +44,7 @@ class Config:
     per_node: bool = False  # one ddlrun per node (--nnodes/--node-rank, torchrun-style)
     max_restarts: int = 0  # --max-restarts: starts of the whole job after a failure
     output_ranks: frozenset[int] | None = None  # --output-ranks: shown on the terminal
+    elastic: Elastic | None = None  # --min-np/--max-np/--host-discovery-script
 
 
 @dataclass(frozen=True)

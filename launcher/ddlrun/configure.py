@@ -23,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from . import envs
 from .backends import LaunchOptions, is_root
 from .backends.mpirun import parse_mpiargs
-from .config import Config, Files
+from .config import Config, Elastic, Files
 from .core import validate_job_id
+from .elastic_hosts import check_cooldown_range
 from .errors import UsageError
 from .hosts import (
     HostSpec,
@@ -117,6 +118,88 @@ def parse_max_restarts(text: str | None, launcher: str, per_node: bool,
                              f"the last restart's job id {last!r} must fit 64 characters"
                              ) from None
     return count
+
+
+def parse_nnodes(text: str | int | None) -> int | None:
+    """``--nnodes N``, or torchrun's ``MIN:MAX``: only ``N:N`` (a fixed number of nodes)
+    in this release; ``MIN > MAX`` and a range are one line each."""
+    if text is None or isinstance(text, int):
+        return text
+    low, sep, high = text.strip().partition(":")
+    if not digits(low) or (sep and not digits(high)):
+        raise UsageError(f"--nnodes {text!r}: expected a whole number N or MIN:MAX")
+    if not sep:
+        return int(low)
+    if int(low) > int(high):
+        raise UsageError(f"--nnodes {text}: MIN {int(low)} is greater than MAX {int(high)}")
+    if int(low) != int(high):
+        raise UsageError(f"--nnodes {text}: a changing number of nodes (torchrun's elastic "
+                         "MIN:MAX) is not supported yet: give --nnodes N (with "
+                         "--max-restarts for restarts), or --min-np/--max-np for Horovod's "
+                         "in-place elastic training on one host")
+    return int(low)
+
+
+_ELASTIC_ONLY = (("slots", "--slots"), ("elastic_timeout", "--elastic-timeout"),
+                 ("reset_limit", "--reset-limit"),
+                 ("blacklist_cooldown_range", "--blacklist-cooldown-range"))
+
+
+def parse_elastic(args: argparse.Namespace, launcher: str, per_node: bool, max_restarts: int,
+                  nproc: int | None) -> Elastic | None:
+    """Horovod's elastic flags: a job is elastic when ``--min-np``, ``--max-np`` or
+    ``--host-discovery-script`` is given; the other elastic flags need one of them. In
+    ddlrun starts every worker itself (the local and ssh launchers)."""
+    if args.min_np is None and args.max_np is None and not args.host_discovery_script:
+        for dest, flag in _ELASTIC_ONLY:
+            if getattr(args, dest) is not None:
+                raise UsageError(f"{flag} is for elastic jobs: give --min-np/--max-np or "
+                                 "--host-discovery-script too")
+        return None
+    if per_node or launcher not in ("local", "ssh"):
+        where = ("one ddlrun per node (--nnodes/--node-rank)" if per_node
+                 else f"--launcher {launcher}")
+        raise UsageError(f"elastic training (--min-np/--max-np/--host-discovery-script) is not "
+                         f"supported with {where} yet: ddlrun starts the workers itself (this "
+                         "host's, and other hosts' over ssh)")
+    if max_restarts:
+        raise UsageError("--max-restarts restarts every rank (torchrun's way); elastic flags "
+                         "re-form the world in place (Horovod's): give one or the other")
+    for value, flag in ((args.min_np, "--min-np"), (args.max_np, "--max-np"),
+                        (args.slots, "--slots"), (nproc, "-np")):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    np_ = nproc if nproc is not None else args.min_np if args.min_np is not None else args.max_np
+    min_np = args.min_np if args.min_np is not None else np_
+    max_np = args.max_np if args.max_np is not None else max(np_ or 0, min_np or 0)
+    if min_np is None or max_np is None:
+        raise UsageError("an elastic job needs -np N (or --min-np/--max-np)")
+    if args.min_np is not None and args.max_np is not None and min_np > max_np:
+        raise UsageError(f"--min-np {min_np} is greater than --max-np {max_np}")
+    if np_ is not None and np_ > max_np:
+        raise UsageError(f"-np {np_} is greater than --max-np {max_np}")
+    if np_ is not None and np_ < min_np:
+        raise UsageError(f"-np {np_} is less than --min-np {min_np}")
+    if args.elastic_timeout is not None and not (0 < args.elastic_timeout < math.inf):
+        raise UsageError(f"--elastic-timeout must be a positive number of seconds, got "
+                         f"{args.elastic_timeout:g}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        raise UsageError(f"--reset-limit must be 0 or more, got {args.reset_limit}")
+    if not 0.1 <= args.discovery_interval <= 3600:
+        raise UsageError("--discovery-interval must be between 0.1 and 3600 seconds, got "
+                         f"{args.discovery_interval:g}")
+    cooldown = None
+    if args.blacklist_cooldown_range is not None:
+        low, high = args.blacklist_cooldown_range
+        check_cooldown_range((low, high))
+        cooldown = (low, high)
+    script = args.host_discovery_script
+    return Elastic(min_np=min_np, max_np=max_np,
+                   discovery_script=os.path.abspath(script) if script else None,
+                   slots=args.slots,
+                   timeout=args.elastic_timeout if args.elastic_timeout is not None else 600.0,
+                   reset_limit=args.reset_limit, cooldown=cooldown,
+                   discovery_interval=args.discovery_interval)
 
 
 def _same_host(a: str, b: str) -> bool:
@@ -296,6 +379,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
     ``files`` (``steps.read_files``), so a missing or unreadable one is the same one-line
     error there."""
     files = files or Files()
+    args = argparse.Namespace(**{**vars(args), "nnodes": parse_nnodes(args.nnodes)})
     program = list(args.program)
     if program and program[0] == "--":
         program = program[1:]
@@ -331,6 +415,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
                            bool(program) and files.runs_itself(program[0]))
     _check_run_values(args)
     max_restarts = parse_max_restarts(args.max_restarts, launcher, per_node, args.job_id)
+    elastic = parse_elastic(args, launcher, per_node, max_restarts, nproc)
     request = Request(
         program=tuple(program),
         hosts=hosts,
@@ -368,6 +453,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
         per_node=per_node,
         max_restarts=max_restarts,
         output_ranks=args.output_ranks,
+        elastic=elastic,
     )
 
 

@@ -84,6 +84,15 @@ def identity() -> ModuleType | None:
     return identity
 
 
+def rendezvous() -> ModuleType | None:
+    """``ddl.rendezvous``: the store an elastic job's driver keeps (needed there)."""
+    try:
+        from ddl import rendezvous
+    except ImportError:
+        return None
+    return rendezvous
+
+
 def shm_engine() -> ModuleType | None:
     """``ddl.engines.shm``: the staging size of the shared-memory engine."""
     try:

@@ -148,6 +148,22 @@ DDL_FLIGHT_DIR = _v("DDL_FLIGHT_DIR", "rank",
                     "(<tmp>/ddl-flight-<uid>/<job id>, 0700, kept after the job: ddlrun "
                     "names the files; diagnose.py)")
 
+# ------------------------------------------------------------ elastic jobs
+DDL_ELASTIC_STORE = _v("DDL_ELASTIC_STORE", "option",
+                       "elastic jobs (--min-np/--max-np/--host-discovery-script): HOST:PORT "
+                       "of ddlrun's store, where a worker finds its place in each new world "
+                       "(guarded by the job's secret; elastic_run.py)")
+DDL_ELASTIC_WORKER = _v("DDL_ELASTIC_WORKER", "option",
+                        "elastic jobs: the worker's name, host:slot, the same in every world")
+DDL_ELASTIC_GENERATION = _v("DDL_ELASTIC_GENERATION", "option",
+                            "elastic jobs: the world the worker was started into (0, 1, ...)")
+DDL_ELASTIC_TIMEOUT = _v("DDL_ELASTIC_TIMEOUT", "option",
+                         "elastic jobs: --elastic-timeout, how long a worker waits for the "
+                         "next world")
+DDL_INIT_TIMEOUT = _v("DDL_INIT_TIMEOUT", "option",
+                      "elastic jobs: --elastic-timeout for a worker started into a world the "
+                      "others reach at their next commit (unless the user set it)")
+
 # groups the code uses
 RANK_FROM_MANAGER = (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK)
 SECRET_SOURCES = (DDL_JOB_SECRET, DDL_JOB_SECRET_FILE)  # either: the user has a secret

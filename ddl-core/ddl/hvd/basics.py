@@ -27,6 +27,7 @@ from ddl import (
     size,
 )
 from ddl import timeline as _timeline
+from ddl.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 from .adasum import Adasum
 from .lifecycle import (
@@ -61,6 +62,7 @@ def stop_timeline() -> None:
 __all__ = [
     # errors
     "DDLConfigError", "DDLError", "DDLMismatchError", "DDLPeerError", "DDLTimeoutError",
+    "HorovodInternalError", "HostsUpdatedInterrupt",
     # reduction ops
     "Adasum", "Average", "Max", "Min", "Product", "Sum",
     # the job

@@ -30,6 +30,8 @@ from ddl.hvd.basics import (
     DDLConfigError,
     DDLError,
     DDLMismatchError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     Max,
     Min,
     ProcessSet,
@@ -47,7 +49,7 @@ from ddl.hvd.basics import (
 )
 from ddl.hvd.compression import Compression, Compressor
 
-from . import callbacks
+from . import callbacks, elastic
 from .optimizer import (
     DistributedOptimizer,
     PartialDistributedOptimizer,
@@ -147,10 +149,12 @@ _no_xla_with_ddl()
 
 __all__ = [
     "Average", "Compression", "Compressor", "DDLConfigError", "DDLError", "DDLMismatchError",
-    "DistributedOptimizer", "Max", "Min", "PartialDistributedOptimizer", "ProcessSet",
+    "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
+    "PartialDistributedOptimizer", "ProcessSet",
     "Product", "Sum", "allgather",
     "allgather_object", "allreduce", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size",
+    "elastic",
     "global_process_set", "init", "is_initialized", "load_model", "local_rank",
     "local_size", "rank", "shutdown", "size",
 ]

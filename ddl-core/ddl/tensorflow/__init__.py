@@ -25,7 +25,7 @@ from ddl.hvd import lifecycle as _lifecycle
 from ddl.hvd.basics import *  # noqa: F403 - the names every adapter has
 from ddl.hvd.basics import Average, ProcessSet, global_process_set
 
-from . import gradient_tape
+from . import elastic, gradient_tape
 from .compression import Compression, Compressor
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
@@ -86,7 +86,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
 
 __all__ = [*_basics.__all__,
            "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
-           "HorovodMismatchError", "PartialDistributedGradientTape", "allgather",
+           "HorovodMismatchError",
+           "PartialDistributedGradientTape", "allgather", "elastic",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
            "broadcast_global_variables", "broadcast_object", "broadcast_variables",
            "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "join",

@@ -27,6 +27,7 @@ from ddl.hvd.basics import *  # noqa: F403 - the names every adapter has
 from ddl.hvd.compression import Compression, Compressor
 from ddl.hvd.negotiate import Handle
 
+from . import elastic
 from .backend import DDLProcessGroup, DDLWork, register
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
@@ -81,7 +82,7 @@ __all__ = [*_basics.__all__,
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
            "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
            "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-           "broadcast_parameters", "grouped_allgather", "grouped_allgather_async",
+           "broadcast_parameters", "elastic", "grouped_allgather", "grouped_allgather_async",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
            "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
            "init", "join", "poll", "reduce_scatter", "reduce_scatter_async", "reducescatter",

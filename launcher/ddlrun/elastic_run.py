@@ -1,0 +1,405 @@
+"""ddlrun's elastic driver (Horovod's ``horovodrun --min-np/--max-np
+--host-discovery-script``): the workers stay alive while the world changes around them.
+
+The driver keeps a store (ddl's own rendezvous store, guarded by the job's secret; the
+keys are ``ddl.elastic.link``'s) and a table of workers, each named ``host:slot`` for
+good. It forms world 0 from the hosts (given, or printed by the discovery script) and
+starts its workers. Then, in one loop:
+
+- a worker that fails (non-zero exit, a signal) is out, its slot blacklisted (for good,
+  or for a cooldown with ``--blacklist-cooldown-range``); the driver forms the next world
+  from the workers left and the slots free (``elastic_plan.plan_world``: rank 0 and the
+  ranks' order kept where they can be), writes every worker's place in it, starts the
+  workers of new slots, and the survivors, whose collective failed, restore their last
+  commit and take their places (``ddl.elastic.run``);
+- the discovery script runs again every ``--discovery-interval`` seconds: when hosts come
+  or go, the next world is formed and announced (``update``), and the workers move to it
+  at their next ``commit()`` / ``check_host_updates()``;
+- fewer than ``--min-np`` workers left, or more worlds than ``--reset-limit``: the job
+  ends, non-zero, naming what was lost.
+
+Each world is a job of its own for ddl (``<job id>.e<N>``: new shared memory, a new
+rendezvous port), planned by the same ``make_plan`` as any job, so every variable of the
+env contract, the grid and ``DDL_OPTIONS`` fit the world's size. Every event is one
+``ddlrun:`` line. Workers on ddlrun's own host are its children, a remote host's run
+under an agent over ssh (``elastic_workers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import shlex
+import shutil
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from . import core, envs
+from .config import Config, Elastic
+from .diagnose import flight_folder, private, tidy
+from .elastic_hosts import Blacklist, DiscoveryError, check_script, run_discovery
+from .elastic_plan import Worker, World, describe_world, plan_world
+from .elastic_workers import HostGone, WorkerExit, Workers, source_address
+from .errors import UsageError
+from .events import describe_code
+from .failures import RecordFolder
+from .hosts import HostSpec
+from .output import OutputSink
+from .plan import HostFacts, make_plan
+from .preflight import pick_free_pair
+from .run import Interrupted, exit_code, signals_deferred, signals_raise
+from .shm import cleanup, job_secret
+from .steps import JobInputs, sweep_at_start
+
+POLL = 0.2  # seconds between looks at the store (restored commits) and the clock
+
+
+def world_job_id(run_id: str, generation: int) -> str:
+    """World ``generation``'s job id: its own shared memory and flight-recorder folder."""
+    return run_id if generation == 0 else f"{run_id}.e{generation}"
+
+
+def first_hosts(cfg: Config) -> dict[str, int]:
+    """The hosts of world 0 without a discovery script: ``-H``/``--hostfile`` (this host,
+    with ``-np`` slots, when none is given), with their slots (``--max-np`` when a host
+    does not say)."""
+    el = cfg.elastic
+    assert el is not None
+    out: dict[str, int] = {}
+    for h in cfg.request.hosts or (HostSpec("localhost"),):
+        out[h.name] = out.get(h.name, 0) + (h.slots or el.slots or el.max_np)
+    return out
+
+
+class _Driver:
+    def __init__(self, cfg: Config, facts: Mapping[str, HostFacts], inputs: JobInputs,
+                 sink: OutputSink, environ: Mapping[str, str]) -> None:
+        assert cfg.elastic is not None
+        self.cfg, self.el, self.facts, self.inputs = cfg, cfg.elastic, facts, inputs
+        self.sink, self.environ = sink, environ
+        self.run_id = inputs.job_id
+        self.secret = job_secret(dict(inputs.secret_env))
+        self.records = RecordFolder(self.run_id)
+        self.workers = Workers(sink, cfg.options, self.records, cfg.options.cwd)
+        self.server: Any = None
+        self.store: Any = None
+        self.store_addr = ""
+        self.blacklist = Blacklist(self.el.cooldown)
+        self.order: list[str] = []  # hosts in the order first seen
+        self.keys: dict[Worker, int] = {}  # a worker's process key (its output tag)
+        self.running: set[Worker] = set()
+        self.done: set[Worker] = set()
+        self.leaving: set[Worker] = set()
+        self.lost: list[str] = []  # what the job lost, for the last line
+        self.gone_hosts: list[str] = []  # hosts whose agent was lost: swept at the end
+        self.world: World | None = None
+        self.generation = -1
+        self.restored = b""
+        self.hosts: dict[str, int] = {}
+        self.argv: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ hosts
+    def discover(self) -> dict[str, int]:
+        el = self.el
+        if el.discovery_script is None:
+            hosts = first_hosts(self.cfg)
+        else:
+            hosts = run_discovery(el.discovery_script, el.discovery_timeout, el.slots,
+                                  cwd=self.cfg.options.cwd)
+        for h in hosts:
+            if h not in self.order:
+                self.order.append(h)
+        return hosts
+
+    def available(self) -> dict[str, int]:
+        """The hosts with their slots that are not blacklisted."""
+        return self.blacklist.filter(dict(self.hosts))
+
+    def plan(self) -> tuple[World, list[Worker]] | None:
+        """The next world from the workers alive and the slots free; a slot whose worker
+        failed stays empty while it is blacklisted."""
+        alive = sorted(self.running - self.leaving, key=lambda w: (w.host, w.slot))
+        excluded = frozenset(name for name in self.blacklist.blacklisted() if ":" in name
+                             and name.rpartition(":")[0] in self.hosts)
+        return plan_world(self.available(), alive, self.el.min_np, self.el.max_np,
+                          self.order, previous=self.world, excluded=excluded)
+
+    # ------------------------------------------------------------------ worlds
+    def form(self, why: str, announce: bool) -> bool:
+        """Form and publish the next world; False when it cannot be (below --min-np)."""
+        alive = sorted(self.running - self.leaving, key=lambda w: (w.host, w.slot))
+        planned = self.plan()
+        if planned is None:
+            return False
+        world, new = planned
+        self.generation += 1
+        g = self.generation
+        envs_of = self.world_env(world, g)
+        in_world = {p.worker for p in world.places}
+        for w in alive:
+            if w not in in_world:
+                self.store.set(f"world/{g}/{w.name}",
+                               json.dumps({"leave": "no place in the new world"}).encode())
+                self.leaving.add(w)
+        for p in world.places:
+            self.store.set(f"world/{g}/{p.worker.name}",
+                           json.dumps({"env": envs_of[p.worker]}).encode())
+        self.store.set("gen", str(g).encode())
+        if g > 0:
+            self.store.set(f"next/{g - 1}", str(g).encode())
+        if announce:
+            removed_only = not new
+            self.store.set("update", f"{g} {int(removed_only)}".encode())
+        self.world = world
+        grid = envs_of[world.places[0].worker].get(envs.DDL_OPTIONS, "")
+        self.sink.note(f"world {g} ({why}): {describe_world(world)}"
+                       + (f", DDL_OPTIONS {grid!r}" if grid else ""))
+        self.workers.new_world(world_job_id(self.run_id, g))
+        self.start(new, envs_of, world_job_id(self.run_id, g))
+        return True
+
+    def world_env(self, world: World, g: int) -> dict[Worker, dict[str, str]]:
+        """Every worker's launch variables in world ``g``: ``make_plan`` of a job with the
+        world's hosts and sizes, plus the elastic ones."""
+        counts: dict[str, int] = {}
+        for p in world.places:
+            counts[p.worker.host] = counts.get(p.worker.host, 0) + 1
+        req = dataclasses.replace(
+            self.cfg.request, nproc=world.size,
+            hosts=tuple(HostSpec(h, slots=counts[h]) for h in world.hosts))
+        job_id = world_job_id(self.run_id, g)
+        port = self.cfg.master_port or pick_free_pair()
+        plan = make_plan(req, self.facts, job_id, port, self.environ, self.inputs.secret_env)
+        by_rank = {r.rank: r for r in plan.ranks}
+        out = {}
+        for p in world.places:
+            env = dict(by_rank[p.rank].env_dict())
+            env.update({
+                envs.DDL_FLIGHT_DIR: flight_folder(job_id),
+                envs.DDL_ELASTIC_STORE: self.store_addr,
+                envs.DDL_ELASTIC_WORKER: p.worker.name,
+                envs.DDL_ELASTIC_GENERATION: str(g),
+                envs.DDL_ELASTIC_TIMEOUT: f"{self.el.timeout:g}",
+            })
+            out[p.worker] = env
+        self.argv = by_rank[0].argv
+        return out
+
+    def key_of(self, w: Worker) -> int:
+        if w not in self.keys:
+            self.keys[w] = len(self.keys)
+        return self.keys[w]
+
+    def start(self, workers: list[Worker], envs_of: Mapping[Worker, Mapping[str, str]],
+              job_id: str) -> None:
+        by_host: dict[str, list] = {}
+        for w in workers:
+            env = dict(envs_of[w])
+            if envs.DDL_INIT_TIMEOUT not in self.environ:
+                # a new worker waits in ddl.init() until the others reach its world
+                env[envs.DDL_INIT_TIMEOUT] = f"{self.el.timeout:g}"
+            by_host.setdefault(w.host, []).append((self.key_of(w), self.argv, env))
+            self.running.add(w)
+        if workers and self.cfg.verbose:
+            self.sink.note("running: " + shlex.join(self.argv))
+        for host, specs in by_host.items():
+            self.workers.start(host, specs, job_id)
+
+    # ------------------------------------------------------------------ events
+    def worker_of(self, key: int) -> Worker:
+        return next(w for w, k in self.keys.items() if k == key)
+
+    def place_of(self, w: Worker) -> str:
+        world = self.world
+        rank = next((p.rank for p in world.places if p.worker == w), None) if world else None
+        return f"worker {w.name}" + (f" (rank {rank} of world {self.generation})"
+                                     if rank is not None else "")
+
+    def on_event(self, ev: WorkerExit | HostGone) -> int | None:
+        """Handle one worker's exit or a lost host; the job's exit code when it ends."""
+        if isinstance(ev, HostGone):
+            return self.host_gone(ev)
+        w = self.worker_of(ev.key)
+        self.running.discard(w)
+        if ev.error is not None:
+            self.sink.note(f"cannot start {self.argv[0]} on {w.host}: {ev.error}")
+            return 127
+        if w in self.leaving:
+            self.leaving.discard(w)
+            how = "" if ev.code == 0 else f" ({describe_code(ev.code)})"
+            self.sink.note(f"{self.place_of(w)} left{how}: no place in world {self.generation}")
+            return None
+        if ev.code == 0:
+            self.done.add(w)
+            return 0 if not (self.running - self.leaving) else None
+        how = describe_code(ev.code)
+        if ev.record is not None:
+            how = f"{ev.record.summary(self.cfg.options.cwd or os.getcwd())}, {how}"
+        self.lost.append(f"{w.name} ({how})")
+        self.blacklist.add(w.name)
+        if self.done:
+            self.sink.note(f"{self.place_of(w)} failed ({how}) after others finished: ending")
+            return exit_code(ev.code)
+        self.sink.note(f"{self.place_of(w)} failed ({how}); re-forming the world")
+        return self.reform("a worker was lost", announce=False, code=exit_code(ev.code))
+
+    def host_gone(self, ev: HostGone) -> int | None:
+        gone = [self.worker_of(k) for k in ev.keys]
+        gone = [w for w in gone if w in self.running]
+        for w in gone:
+            self.running.discard(w)
+            self.leaving.discard(w)
+        if not gone:
+            return None
+        self.lost.append(f"host {ev.host} ({ev.why})")
+        self.gone_hosts.append(ev.host)
+        self.blacklist.add(ev.host)
+        names = ", ".join(w.name for w in gone)
+        if self.done:
+            self.sink.note(f"host {ev.host} lost ({ev.why}) after others finished: ending")
+            return 255
+        self.sink.note(f"host {ev.host} lost ({ev.why}): workers {names}; re-forming the world")
+        return self.reform(f"host {ev.host} was lost", announce=False, code=255)
+
+    def reform(self, why: str, announce: bool, code: int = 1) -> int | None:
+        limit = self.el.reset_limit
+        if limit is not None and self.generation + 1 > limit:
+            self.sink.note(f"the world was re-formed {self.generation} time(s) "
+                           f"(--reset-limit {limit}): ending")
+            return code or 1
+        if not self.form(why, announce):
+            left = len(self.running - self.leaving)
+            self.sink.note(f"{left} worker(s) left, fewer than --min-np {self.el.min_np}: "
+                           f"ending; lost: {', '.join(self.lost) or 'none'}")
+            return code or 1
+        return None
+
+    def rediscover(self) -> int | None:
+        try:
+            hosts = self.discover()
+        except DiscoveryError as exc:  # a script that fails later: keep the hosts we have
+            self.sink.note(f"warning: {exc}; keeping the hosts found before")
+            return None
+        changed = hosts != self.hosts
+        added = [h for h in hosts if h not in self.hosts or hosts[h] > self.hosts[h]]
+        removed = [h for h in self.hosts if h not in hosts or hosts[h] < self.hosts[h]]
+        self.hosts = hosts
+        for h in added:
+            self.sink.note(f"host {h} has {hosts[h]} slot(s) now (discovery)")
+        for h in removed:
+            self.sink.note(f"host {h} has {hosts.get(h, 0)} slot(s) now (discovery)")
+        current = {p.worker for p in self.world.places} if self.world else set()
+        world = self.plan()
+        if world is not None and {p.worker for p in world[0].places} == current:
+            return None  # the same workers: nothing to re-form
+        why = "hosts changed" if changed else "a blacklisted slot or host is back"
+        return self.reform(why, announce=True)
+
+    def check_restored(self) -> None:
+        if not self.store.check(["restored"]):
+            return
+        value = self.store.get("restored")
+        if value != self.restored:
+            self.restored = value
+            commit, _, g = value.decode().partition(" ")
+            self.sink.note(f"world {g} goes on from commit {commit} (restored)")
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        self.hosts = self.discover()
+        self.open_store()
+        if not self.form("start", announce=False):
+            raise UsageError(f"the hosts have {sum(self.available().values())} slot(s), fewer "
+                             f"than --min-np {self.el.min_np}")
+        deadline = time.monotonic() + self.cfg.timeout if self.cfg.timeout else None
+        next_discovery = time.monotonic() + self.el.discovery_interval
+        while True:
+            try:
+                ex = self.workers.events.get(timeout=POLL)
+            except queue.Empty:
+                ex = None
+            if ex is not None:
+                code = self.on_event(ex)
+                if code is not None:
+                    return code
+            now = time.monotonic()
+            # the hosts may change (discovery), or a blacklisted slot's cooldown end
+            if (self.el.discovery_script or self.el.cooldown) and now >= next_discovery:
+                next_discovery = now + self.el.discovery_interval
+                code = self.rediscover()
+                if code is not None:
+                    return code
+            self.check_restored()
+            if deadline is not None and now >= deadline:
+                self.sink.note(f"--timeout {self.cfg.timeout:g}s: stopping the workers")
+                return 124
+
+    def open_store(self) -> None:
+        """The store the workers meet ddlrun at: on this host's address the (remote) hosts
+        reach, guarded by the job's secret."""
+        rdzv = core.require(core.rendezvous(), "elastic training's store")
+        addr = source_address(list(self.hosts), {h: f.address for h, f in self.facts.items()})
+        self.server = rdzv.StoreServer(addr, 0, self.secret, timeout=self.el.timeout)
+        host = f"[{addr}]" if ":" in addr else addr
+        self.store_addr = f"{host}:{self.server.port}"
+        self.store = rdzv.StoreClient(addr, self.server.port, self.secret, rank=-1,
+                                      timeout=10.0)
+
+    def close(self, succeeded: bool = False) -> None:
+        """Stop every worker, close the store, remove each world's shared memory; the
+        flight recorder's dumps of the worlds a lost peer ended stay only when the job
+        failed (a job that went on has said what it lost, and a long one loses often)."""
+        try:
+            self.workers.close(self.cfg.options.grace)
+            self.workers.sweep(self.gone_hosts, self.inputs.secret_env)
+        finally:
+            try:
+                if self.store is not None:
+                    self.store.close()
+                if self.server is not None:
+                    self.server.close()
+            finally:
+                for g in range(self.generation + 1):
+                    job_id = world_job_id(self.run_id, g)
+                    cleanup(job_id, None, self.secret, self.sink.note)
+                    folder = flight_folder(job_id)
+                    if succeeded and private(folder):
+                        shutil.rmtree(folder, ignore_errors=True)
+                    tidy(folder)
+                self.records.remove()
+
+
+def run_elastic(cfg: Config, facts: Mapping[str, HostFacts], inputs: JobInputs,
+                sink: OutputSink, environ: Mapping[str, str]) -> int:
+    """Run an elastic job to its end; its exit code."""
+    el: Elastic | None = cfg.elastic
+    assert el is not None
+    if el.discovery_script:
+        check_script(el.discovery_script)
+    sweep_at_start(sink)
+    driver = None
+    try:
+        with signals_raise():
+            driver = _Driver(cfg, facts, inputs, sink, environ)
+            code = None
+            try:
+                code = driver.run()
+                return code
+            finally:
+                with signals_deferred():
+                    driver.close(succeeded=code == 0)
+    except DiscoveryError as exc:
+        sink.note(f"error: {exc}")
+        return 2
+    except OSError as exc:  # the store's address or port
+        sink.note(f"elastic: {exc}")
+        return 2
+    except Interrupted as exc:
+        sink.note(f"{signal.Signals(exc.signum).name}: the workers were stopped")
+        return 128 + exc.signum
+    finally:
+        sink.close()
