@@ -7,7 +7,8 @@ finished, and whether it failed. The ring holds the last ``DDL_FLIGHT_RECORDER``
 turns it off); an entry is a small list written by ``ddl.runtime`` in line, under 0.2 us a
 call. A call run on the caller's thread (no earlier work queued) reads the clock once: its
 end is recorded as "done", and its end time is when the next call of its queue began (an
-upper bound, as PyTorch's recorder records when it discovered a completion); queued calls
+upper bound when the queue's calls come from one thread, as PyTorch's recorder records
+when it discovered a completion); queued calls
 read their start and end times on the runtime's thread. Engines that wait on a peer (the
 shared-memory engine) note which peer, only once a wait has gone on for milliseconds
 (:func:`note_wait`).

@@ -83,6 +83,9 @@ class _Driver:
         self.sink, self.environ = sink, environ
         self.run_id = inputs.job_id
         self.secret = job_secret(dict(inputs.secret_env))
+        if self.secret is None:  # the store hands out launch variables: never to strangers
+            raise UsageError("an elastic job needs the job's secret for ddlrun's store, and "
+                             "none can be read here (DDL_JOB_SECRET_FILE unreadable?)")
         self.records = RecordFolder(self.run_id)
         self.workers = Workers(sink, cfg.options, self.records, cfg.options.cwd)
         self.server: Any = None
@@ -96,6 +99,12 @@ class _Driver:
         self.leaving: set[Worker] = set()
         self.lost: list[str] = []  # what the job lost, for the last line
         self.gone_hosts: list[str] = []  # hosts whose agent was lost: swept at the end
+        self.started_in: dict[Worker, int] = {}  # the world each worker was started into
+        self.formed = 0  # the newest world every worker has joined (its rank 0 said so)
+        self.finish_by: float | None = None  # a worker succeeded: the others' time to end
+        self.dropped: set[int] = set()  # keys of workers stopped before they joined
+        self.next_key = 0
+        self.by_key: dict[int, Worker] = {}
         self.world: World | None = None
         self.generation = -1
         self.restored = b""
@@ -125,17 +134,25 @@ class _Driver:
         alive = sorted(self.running - self.leaving, key=lambda w: (w.host, w.slot))
         excluded = frozenset(name for name in self.blacklist.blacklisted() if ":" in name
                              and name.rpartition(":")[0] in self.hosts)
+        # a leaving worker's slot is its own until it has exited: no second process there
+        excluded |= {w.name for w in self.leaving}
         return plan_world(self.available(), alive, self.el.min_np, self.el.max_np,
                           self.order, previous=self.world, excluded=excluded)
 
     # ------------------------------------------------------------------ worlds
-    def form(self, why: str, announce: bool) -> bool:
-        """Form and publish the next world; False when it cannot be (below --min-np)."""
+    def form(self, why: str, announce: bool) -> str | None:
+        """Form and publish the next world; why it cannot be, or None."""
+        self.replace_unjoined()
         alive = sorted(self.running - self.leaving, key=lambda w: (w.host, w.slot))
         planned = self.plan()
         if planned is None:
-            return False
+            return (f"{len(alive)} worker(s) left, fewer than --min-np {self.el.min_np}: "
+                    f"ending; lost: {', '.join(self.lost) or 'none'}")
         world, new = planned
+        if self.world is not None and not any(p.worker in alive for p in world.places):
+            # its rank 0 would be a new worker: the committed state would be lost
+            return ("the next world would have no worker of the last one (the hosts that "
+                    "had them are gone): the state would be lost; ending")
         self.generation += 1
         g = self.generation
         envs_of = self.world_env(world, g)
@@ -146,8 +163,8 @@ class _Driver:
                                json.dumps({"leave": "no place in the new world"}).encode())
                 self.leaving.add(w)
         for p in world.places:
-            self.store.set(f"world/{g}/{p.worker.name}",
-                           json.dumps({"env": envs_of[p.worker]}).encode())
+            place = {"env": envs_of[p.worker], "sync": bool(new)}
+            self.store.set(f"world/{g}/{p.worker.name}", json.dumps(place).encode())
         self.store.set("gen", str(g).encode())
         if g > 0:
             self.store.set(f"next/{g - 1}", str(g).encode())
@@ -160,7 +177,28 @@ class _Driver:
                        + (f", DDL_OPTIONS {grid!r}" if grid else ""))
         self.workers.new_world(world_job_id(self.run_id, g))
         self.start(new, envs_of, world_job_id(self.run_id, g))
-        return True
+        return None
+
+    def replace_unjoined(self) -> None:
+        """Workers started into a world that never formed (it is being superseded before
+        every worker joined it) wait in ``init()`` for a rendezvous nobody else comes to:
+        they hold no state yet, so they are stopped, and their slots are free for new
+        workers of the next world."""
+        if self.store.check(["formed"]):  # fresh: a world may have formed since the poll
+            self.formed = max(self.formed, int(self.store.get("formed")))
+        if self.generation <= self.formed:
+            return
+        stale = [w for w in self.running - self.leaving
+                 if self.started_in.get(w) == self.generation]
+        if not stale:
+            return
+        keys = [self.keys.pop(w) for w in stale]  # a new worker there gets a new key
+        for w in stale:
+            self.running.discard(w)
+        self.dropped.update(keys)
+        self.workers.stop(keys)
+        self.sink.note(f"world {self.generation} did not form: restarting its new workers "
+                       f"{', '.join(w.name for w in stale)} in the next")
 
     def world_env(self, world: World, g: int) -> dict[Worker, dict[str, str]]:
         """Every worker's launch variables in world ``g``: ``make_plan`` of a job with the
@@ -189,21 +227,25 @@ class _Driver:
         self.argv = by_rank[0].argv
         return out
 
-    def key_of(self, w: Worker) -> int:
-        if w not in self.keys:
-            self.keys[w] = len(self.keys)
-        return self.keys[w]
+    def new_key(self, w: Worker) -> int:
+        """A key of its own for each process started (its output tag), even in a slot an
+        earlier process had."""
+        key = self.keys[w] = self.next_key
+        self.by_key[key] = w
+        self.next_key += 1
+        return key
 
     def start(self, workers: list[Worker], envs_of: Mapping[Worker, Mapping[str, str]],
               job_id: str) -> None:
         by_host: dict[str, list] = {}
         for w in workers:
             env = dict(envs_of[w])
-            if envs.DDL_INIT_TIMEOUT not in self.environ:
+            if self.generation > 0 and envs.DDL_INIT_TIMEOUT not in self.environ:
                 # a new worker waits in ddl.init() until the others reach its world
                 env[envs.DDL_INIT_TIMEOUT] = f"{self.el.timeout:g}"
-            by_host.setdefault(w.host, []).append((self.key_of(w), self.argv, env))
+            by_host.setdefault(w.host, []).append((self.new_key(w), self.argv, env))
             self.running.add(w)
+            self.started_in[w] = self.generation
         if workers and self.cfg.verbose:
             self.sink.note("running: " + shlex.join(self.argv))
         for host, specs in by_host.items():
@@ -211,7 +253,7 @@ class _Driver:
 
     # ------------------------------------------------------------------ events
     def worker_of(self, key: int) -> Worker:
-        return next(w for w, k in self.keys.items() if k == key)
+        return self.by_key[key]
 
     def place_of(self, w: Worker) -> str:
         world = self.world
@@ -223,11 +265,18 @@ class _Driver:
         """Handle one worker's exit or a lost host; the job's exit code when it ends."""
         if isinstance(ev, HostGone):
             return self.host_gone(ev)
+        if ev.key in self.dropped:  # stopped before it joined a world: expected
+            self.dropped.discard(ev.key)
+            return None
         w = self.worker_of(ev.key)
+        if self.keys.get(w) != ev.key:  # an earlier process of this slot
+            return None
         self.running.discard(w)
         if ev.error is not None:
             self.sink.note(f"cannot start {self.argv[0]} on {w.host}: {ev.error}")
-            return 127
+            if self.generation == 0:
+                return 127  # the program cannot start at all
+            ev = WorkerExit(ev.key, 127, None)
         if w in self.leaving:
             self.leaving.discard(w)
             how = "" if ev.code == 0 else f" ({describe_code(ev.code)})"
@@ -235,20 +284,24 @@ class _Driver:
             return None
         if ev.code == 0:
             self.done.add(w)
+            if self.finish_by is None:  # Horovod's rule: a worker that succeeded ends the job
+                self.finish_by = time.monotonic() + max(self.cfg.options.grace, 5.0)
             return 0 if not (self.running - self.leaving) else None
         how = describe_code(ev.code)
         if ev.record is not None:
             how = f"{ev.record.summary(self.cfg.options.cwd or os.getcwd())}, {how}"
-        self.lost.append(f"{w.name} ({how})")
-        self.blacklist.add(w.name)
         if self.done:
+            if ev.record is None or ev.record.after_peer:
+                return 0 if not (self.running - self.leaving) else None  # lost a finished peer
             self.sink.note(f"{self.place_of(w)} failed ({how}) after others finished: ending")
             return exit_code(ev.code)
+        self.lost.append(f"{w.name} ({how})")
+        self.blacklist.add(w.name)
         self.sink.note(f"{self.place_of(w)} failed ({how}); re-forming the world")
         return self.reform("a worker was lost", announce=False, code=exit_code(ev.code))
 
     def host_gone(self, ev: HostGone) -> int | None:
-        gone = [self.worker_of(k) for k in ev.keys]
+        gone = [self.worker_of(k) for k in ev.keys if k not in self.dropped]
         gone = [w for w in gone if w in self.running]
         for w in gone:
             self.running.discard(w)
@@ -259,9 +312,8 @@ class _Driver:
         self.gone_hosts.append(ev.host)
         self.blacklist.add(ev.host)
         names = ", ".join(w.name for w in gone)
-        if self.done:
-            self.sink.note(f"host {ev.host} lost ({ev.why}) after others finished: ending")
-            return 255
+        if self.done:  # a worker finished: the job is ending anyway
+            return 0 if not (self.running - self.leaving) else None
         self.sink.note(f"host {ev.host} lost ({ev.why}): workers {names}; re-forming the world")
         return self.reform(f"host {ev.host} was lost", announce=False, code=255)
 
@@ -271,10 +323,9 @@ class _Driver:
             self.sink.note(f"the world was re-formed {self.generation} time(s) "
                            f"(--reset-limit {limit}): ending")
             return code or 1
-        if not self.form(why, announce):
-            left = len(self.running - self.leaving)
-            self.sink.note(f"{left} worker(s) left, fewer than --min-np {self.el.min_np}: "
-                           f"ending; lost: {', '.join(self.lost) or 'none'}")
+        cannot = self.form(why, announce)
+        if cannot:
+            self.sink.note(cannot)
             return code or 1
         return None
 
@@ -296,10 +347,12 @@ class _Driver:
         world = self.plan()
         if world is not None and {p.worker for p in world[0].places} == current:
             return None  # the same workers: nothing to re-form
-        why = "hosts changed" if changed else "a blacklisted slot or host is back"
+        why = "hosts changed" if changed else "a slot is free again"
         return self.reform(why, announce=True)
 
     def check_restored(self) -> None:
+        if self.store.check(["formed"]):
+            self.formed = max(self.formed, int(self.store.get("formed")))
         if not self.store.check(["restored"]):
             return
         value = self.store.get("restored")
@@ -312,7 +365,7 @@ class _Driver:
     def run(self) -> int:
         self.hosts = self.discover()
         self.open_store()
-        if not self.form("start", announce=False):
+        if self.form("start", announce=False):
             raise UsageError(f"the hosts have {sum(self.available().values())} slot(s), fewer "
                              f"than --min-np {self.el.min_np}")
         deadline = time.monotonic() + self.cfg.timeout if self.cfg.timeout else None
@@ -334,6 +387,11 @@ class _Driver:
                 if code is not None:
                     return code
             self.check_restored()
+            if self.finish_by is not None and now >= self.finish_by:
+                left = sorted(w.name for w in self.running)
+                self.sink.note(f"a worker finished; stopping those still running "
+                               f"({', '.join(left)})")
+                return 0
             if deadline is not None and now >= deadline:
                 self.sink.note(f"--timeout {self.cfg.timeout:g}s: stopping the workers")
                 return 124

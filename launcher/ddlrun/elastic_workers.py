@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -160,6 +161,18 @@ class Workers:
             self.agents.append(agent)
         agent.start(backend.get_cmd(HostSpec(host)), spec, self.opts.start_timeout)
         agent.send({"t": "jobs", "jobs": list(self.jobs)})
+
+    def stop(self, keys: Sequence[int]) -> None:
+        """Stop these workers (they never took part in a world: nothing of theirs is lost):
+        the local ones by SIGTERM, a remote one's whole agent (it was started for one
+        batch of new workers, all of which are stopped together)."""
+        wanted = set(keys)
+        for key in wanted:
+            self.local.signal_one(key, signal.SIGTERM)
+        with self._lock:
+            agents = [a for a in self.agents if wanted & set(a.keys)]
+        for agent in agents:
+            agent.send({"t": "stop"})
 
     def new_world(self, job_id: str) -> None:
         """A new world's job id: every agent removes its shared memory at its end too."""

@@ -305,6 +305,13 @@ class ProcessSet:
                 lock.release()
 
     # ------------------------------------------------------------------ close
+    def signal_one(self, key: int, sig: int) -> None:
+        """Signal one child's process group (its exit is reported as any other)."""
+        proc = self.procs.get(key)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                self._signal_group(proc.pid, sig)
+
     def signal_all(self, sig: int) -> None:
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -177,6 +177,65 @@ def test_hosts_added_by_discovery_join_at_the_next_commit(job, marker, tmp_path)
     assert_clean(job, marker, 1)
 
 
+def test_a_world_superseded_before_it_formed_restarts_its_new_workers(job, marker,
+                                                                     tmp_path):
+    """Discovery adds a slot (world 1 is announced; its new worker waits in init for the
+    others, who move at their next commit), then a worker fails before that commit:
+    world 2 supersedes world 1, whose new worker never joined it. It holds no state, so
+    ddlrun restarts it into world 2 instead of leaving it waiting for world 1's
+    rendezvous (which would hold world 2 up until --elastic-timeout)."""
+    script = discovery(tmp_path, "localhost:2", "localhost:2", "localhost:3")
+    res = elastic(job, "--host-discovery-script", script, "--discovery-interval", "0.5",
+                  "--elastic-timeout", "30", "-np", "2", "--min-np", "1", "--max-np", "3",
+                  PY, STEPS, "10", "8", "sleep", "0.5", "exit", "localhost:1", "7", "3",
+                  marker, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # no commit before the loss: world 2 (localhost:0 and a new localhost:2) starts over
+    check_result(res.stdout, 10, [2] * 10)
+    err = notes(res.stderr)
+    assert err[:3] == [
+        "ddlrun: world 0 (start): 2 ranks on 1 host (localhost:2), DDL_OPTIONS '-mode r:2'",
+        "ddlrun: host localhost has 3 slot(s) now (discovery)",
+        "ddlrun: world 1 (hosts changed): 3 ranks on 1 host (localhost:3), DDL_OPTIONS "
+        "'-mode r:3'",
+    ], res.stderr
+    assert "ddlrun: worker localhost:1 (rank 1 of world 1) failed (exited with code 3); " \
+        "re-forming the world" in err, res.stderr
+    assert "ddlrun: world 1 did not form: restarting its new workers localhost:2 in the " \
+        "next" in err, res.stderr
+    assert "ddlrun: world 2 (a worker was lost): 2 ranks on 1 host (localhost:2), " \
+        "DDL_OPTIONS '-mode r:2'" in err, res.stderr
+    assert_clean(job, marker, 2)
+
+
+def test_a_worker_that_finishes_first_ends_the_job_as_a_success(job, marker):
+    """Horovod's rule: once a worker has succeeded the job is done; the others (whose peer
+    left) are stopped after a grace, and the job's code is 0. Before: they waited for a
+    next world that never came, forever."""
+    t0 = time.monotonic()
+    res = elastic(job, "-np", "3", "--min-np", "2", "--max-np", "3", "--elastic-timeout", "5",
+                  PY, STEPS, "10", "2", "exit", "localhost:1", "5", "0", marker, timeout=90)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ddlrun: a worker finished; stopping those still running (localhost:0, " \
+        "localhost:2)" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 60
+    assert_clean(job, marker, 0)
+
+
+def test_a_world_without_a_worker_of_the_last_one_ends_the_job(job, marker, tmp_path):
+    """Discovery swaps every host that had workers for a new one: the next world would
+    start from nothing (its rank 0 a new worker), so the job ends, naming why."""
+    script = discovery(tmp_path, "localhost:2", "localhost:2", "127.0.0.1:2")
+    res = elastic(job, "--host-discovery-script", script, "--discovery-interval", "0.5",
+                  "-np", "2", "--min-np", "2", "--max-np", "2", PY, STEPS, "40", "2", "sleep",
+                  "0.3", marker, cwd=tmp_path, timeout=90)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "RESULT" not in res.stdout
+    assert "ddlrun: the next world would have no worker of the last one (the hosts that had " \
+        "them are gone): the state would be lost; ending" in res.stderr, res.stderr
+    assert_clean(job, marker, 0)
+
+
 def test_slots_removed_by_discovery_the_worker_leaves(job, marker, tmp_path):
     script = discovery(tmp_path, "localhost:3", "localhost:3", "localhost:2")
     # each worker's exit code in code.<worker>: the one that leaves must end with 0

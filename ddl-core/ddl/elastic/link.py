@@ -11,6 +11,8 @@ The keys, written by the driver unless said otherwise:
 - ``update``: ``"<g> <removed_only>"``, the newest change of hosts, announced while the
   workers run: world ``g`` is waiting for them at their next ``check_host_updates``;
 - ``reset/<worker>`` (a worker): the world it left, once it has left it;
+- ``formed`` (rank 0 of a new world, once every worker joined it): ``"<g>"``; ddlrun
+  replaces the new workers of a world superseded before it formed;
 - ``restored`` (rank 0 of a new world): ``"<commit> <g>"``, which ddlrun prints.
 
 Outside an elastic job (no ``DDL_ELASTIC_STORE``) nothing is linked: ``active()`` is false
@@ -29,6 +31,7 @@ from ..rendezvous import StoreClient
 _lock = threading.Lock()
 _client: StoreClient | None = None
 _generation: int | None = None  # the world this worker is in (from the environment first)
+_needs_sync = False
 
 
 def active() -> bool:
@@ -70,11 +73,17 @@ def latest_update() -> tuple[int, bool] | None:
     return int(g), removed == "1"
 
 
+class NoNextWorld(DDLError):
+    """No world came for this worker within ``DDL_ELASTIC_TIMEOUT``: ddlrun formed none
+    (the job is ending, or it could not go on). Not a lost peer: nothing to wait for."""
+
+
 def next_world(timeout: float | None = None) -> dict[str, str] | None:
     """Wait for the world formed after this one and return this worker's launch variables
-    in it (None: it has no place there). DDLError when the job is not elastic, or no world
-    came in ``timeout`` seconds (``DDL_ELASTIC_TIMEOUT``)."""
-    global _generation
+    in it (None: it has no place there: a world since this one told it to leave, or the
+    newest has no place for it). ``NoNextWorld`` when none came in ``timeout`` seconds
+    (``DDL_ELASTIC_TIMEOUT``); DDLError when the job is not elastic."""
+    global _generation, _needs_sync
     if not active():
         raise DDLError("ddl: no next world: this is not an elastic job (ddlrun --min-np/"
                        "--max-np or --host-discovery-script starts one)")
@@ -84,14 +93,37 @@ def next_world(timeout: float | None = None) -> dict[str, str] | None:
     try:
         g = int(store.get(f"next/{left}", timeout))
         g = max(g, int(store.get("gen", timeout)))
-        place = json.loads(store.get(f"world/{g}/{me}", timeout))
     except DDLTimeoutError:
-        raise DDLError(f"ddl: worker {me} waited {timeout:g} s for ddlrun's next world "
-                       f"after world {left}; none came (ddlrun --elastic-timeout)") from None
+        g = None
+    if g is None:  # raised here, not in the handler: no timeout chained to it
+        raise NoNextWorld(f"ddl: worker {me} waited {timeout:g} s for ddlrun's next world "
+                          f"after world {left}; none came (ddlrun --elastic-timeout)")
     _generation = g
-    if "leave" in place:
-        return None
+    # every world's places are written before it is announced: one that has none for this
+    # worker, or told it to leave on the way, is the end of it here
+    for k in range(left + 1, g + 1):
+        key = f"world/{k}/{me}"
+        if not store.check([key]):
+            if k == g:
+                return None
+            continue
+        place = json.loads(store.get(key))
+        if "leave" in place:
+            return None
+    _needs_sync = bool(place.get("sync", True))
     return {str(k): str(v) for k, v in place["env"].items()}
+
+
+def needs_sync() -> bool:
+    """Whether the world this worker last joined has workers new to it (their state must
+    come from rank 0 even when only hosts were removed as far as this worker saw)."""
+    return _needs_sync
+
+
+def note_formed() -> None:
+    """Rank 0 of a new world, once it is up (every worker joined it): tell ddlrun."""
+    if active():
+        _store().set("formed", str(generation()).encode())
 
 
 def note_restored(commit: int) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import failures
+from .. import config, failures
+from .. import session as _session
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from ..hvd import lifecycle as _lifecycle
 from . import link as _link
@@ -26,7 +28,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _lost_peer(exc: BaseException) -> bool:
     """A collective failed because a peer was lost: ddl's own error, or a framework's
-    error that carries one on (TensorFlow re-raises ops' errors as its own types)."""
+    error that carries one on (TensorFlow re-raises ops' errors as its own types). Never
+    the end of the waiting for a next world."""
+    if isinstance(exc, _link.NoNextWorld):
+        return False
     return isinstance(exc, HorovodInternalError) or failures.after_peer(exc)
 
 
@@ -65,6 +70,10 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
                 state.restored()
                 skip_sync = False
             _reset_until_joined(reset)
+            if _link.needs_sync():  # new workers came into this world: they need the state
+                skip_sync = False
+            if _session.rank() == 0:
+                _link.note_formed()
             state.on_reset()
             state.announce()
 
@@ -73,13 +82,15 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
 
 def _reset_until_joined(reset: Callable[[], None]) -> None:
     """A new world can fail to form (another worker was lost while it met): then wait for
-    the next one, as long as ddlrun forms them."""
+    the next one, as long as ddlrun forms them, and for ``DDL_ELASTIC_TIMEOUT`` at most in
+    all."""
+    deadline = time.monotonic() + config.get("DDL_ELASTIC_TIMEOUT")
     while True:
         try:
             reset()
             return
         except Exception as exc:
-            if not _lost_peer(exc) or not _link.active():
+            if not _lost_peer(exc) or not _link.active() or time.monotonic() > deadline:
                 raise
             _log.warning("ddl: the new world did not form (%s); waiting for the next",
                          failures.reason(exc))

@@ -1,0 +1,85 @@
+"""The elastic benchmarks' judges (benchmarks/elastic_recovery.py, elastic_false_alarms.py),
+checked on made-up stamps and outputs, so that a harness that would call a broken run good
+fails here first. Pure: no processes, no namespaces."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+er = load("elastic_recovery")
+fa = load("elastic_false_alarms")
+
+
+def test_a_lost_host_case_loses_the_last_hosts_ranks_and_says_so():
+    case = er.Case("numpy", 6, "in-place", hosts=3)
+    assert case.world_after() == 4 and case.worlds() == "3x2 -> 2x2"
+    assert case.launch() == ["-np", "6", "--min-np", "4", "--max-np", "6"]
+    args = case.worker_args("/x")
+    assert args[-3:] == ["--kill-rank", "5", "--kill-agent"]
+    assert "-H h1:2,h2:2,h3:2 -np 6" in case.shown()
+    one_host = er.Case("numpy", 3, "in-place")
+    assert one_host.world_after() == 2 and "--kill-agent" not in one_host.worker_args("/x")
+
+
+def stamps_of(world_after: int, kill: float, firsts: list[float], size: int) -> list[list[dict]]:
+    procs = [[{"start": 0.0}, {"t": 1.0, "world": 0, "step": 7, "size": 6}, {"kill": kill}]]
+    for t in firsts:
+        procs.append([{"start": 0.0}, {"t": t, "world": 1, "step": 7, "size": size},
+                      {"t": t + 1, "world": 1, "step": er.STEPS, "size": size}])
+    return procs
+
+
+def test_recovery_is_the_last_survivor_first_step_and_a_wrong_world_is_refused():
+    case = er.Case("numpy", 6, "in-place", hosts=3)
+    total, _ = er.recovery(case, stamps_of(4, 10.0, [10.1, 10.3, 10.2, 10.05], 4))
+    assert total == pytest.approx(0.3)
+    with pytest.raises(RuntimeError, match="ranks went on"):  # only one rank lost, not a host
+        er.recovery(case, stamps_of(5, 10.0, [10.1] * 5, 5))
+    with pytest.raises(RuntimeError, match="ended wrong"):
+        er.recovery(case, stamps_of(4, 10.0, [10.1] * 4, 5))
+
+
+def write_stamps(folder: Path, rows_of: list[list[dict]]) -> None:
+    for i, rows in enumerate(rows_of):
+        (folder / f"stamps.{i}").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def clean_rows(steps: int) -> list[dict]:
+    return [{"start": 0.0}] + [{"t": s, "world": 0, "step": s, "size": 4}
+                               for s in range(1, steps + 1)]
+
+
+def test_a_clean_run_is_no_false_alarm(tmp_path):
+    write_stamps(tmp_path, [clean_rows(30)] * 4)
+    assert fa.judge(0, "ddlrun: world 0 (start): 4 ranks on 2 hosts\n", str(tmp_path), 30) == []
+
+
+def test_every_sign_of_a_lost_peer_is_a_false_alarm(tmp_path):
+    reformed = clean_rows(5) + [{"t": 9.0, "world": 1, "step": 6, "size": 4}]
+    write_stamps(tmp_path, [clean_rows(30)] * 3 + [reformed])
+    assert fa.judge(0, "", str(tmp_path), 30) == ["re-formed world",
+                                                  "steps reached [6, 30, 30, 30]"]
+    write_stamps(tmp_path, [clean_rows(30)] * 4)
+    out = ("ddlrun: worker h:1 (rank 1 of world 0) failed (ddl.errors.DDLTimeoutError: ...); "
+           "re-forming the world\n")
+    assert fa.judge(0, out, str(tmp_path), 30) == ["DDLTimeoutError", "re-forming the world"]
+    init = "[3]     ddl.init()\n[3] ddl.errors.DDLTimeoutError: rank 3: ...\n"
+    assert fa.judge(1, init, str(tmp_path), 30) == ["DDLTimeoutError", "exit 1",
+                                                   "in ddl.init()"]
+    assert fa.judge(None, "", str(tmp_path), 30) == ["hung"]
