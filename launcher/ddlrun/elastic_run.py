@@ -102,6 +102,7 @@ class _Driver:
         self.started_in: dict[Worker, int] = {}  # the world each worker was started into
         self.formed = 0  # the newest world every worker has joined (its rank 0 said so)
         self.finish_by: float | None = None  # a worker succeeded: the others' time to end
+        self.stall_since: float | None = None  # workers left the world on their own since
         self.dropped: set[int] = set()  # keys of workers stopped before they joined
         self.next_key = 0
         self.by_key: dict[int, Worker] = {}
@@ -172,6 +173,7 @@ class _Driver:
             removed_only = not new
             self.store.set("update", f"{g} {int(removed_only)}".encode())
         self.world = world
+        self.stall_since = None
         grid = envs_of[world.places[0].worker].get(envs.DDL_OPTIONS, "")
         self.sink.note(f"world {g} ({why}): {describe_world(world)}"
                        + (f", DDL_OPTIONS {grid!r}" if grid else ""))
@@ -350,6 +352,51 @@ class _Driver:
         why = "hosts changed" if changed else "a slot is free again"
         return self.reform(why, announce=True)
 
+    def check_stalled(self, now: float) -> int | None:
+        """Workers that left the current world although ddlrun formed no other (a collective
+        timed out: a worker is stuck, or a false alarm): once every worker of the world has
+        left it, or the workers' ``DDL_TIMEOUT`` (and 5 s) has passed since the first did,
+        those that did not are stuck: stopped and blacklisted; the next world is formed."""
+        g, world = self.generation, self.world
+        if world is None or self.finish_by is not None:
+            return None
+        counter = f"resets/{g}"
+        if not self.store.check([counter]) or self.store.add(counter, 0) == 0:
+            return None
+        if self.stall_since is None:
+            self.stall_since = now
+        members = [p.worker for p in world.places if p.worker in self.running]
+        left = {w for w in members if self.store.check([f"reset/{w.name}"])
+                and self.store.get(f"reset/{w.name}") == str(g).encode()}
+        if len(left) < len(members) and now - self.stall_since < self.stall_window():
+            return None
+        self.stall_since = None
+        stuck = [w for w in members if w not in left]
+        if not stuck:
+            self.sink.note(f"every worker left world {g} without a loss (a collective timed "
+                           "out); re-forming the world")
+            return self.reform("the workers left it", announce=False)
+        for w in stuck:
+            self.running.discard(w)
+            self.dropped.add(self.keys[w])
+            self.blacklist.add(w.name)
+            self.lost.append(f"{w.name} (stuck)")
+        self.workers.stop([self.keys[w] for w in stuck])
+        names = ", ".join(w.name for w in stuck)
+        self.sink.note(f"worker(s) {names} of world {g} did not leave it with the others "
+                       "(stuck?): stopped; re-forming the world")
+        return self.reform("a worker was stuck", announce=False)
+
+    def stall_window(self) -> float:
+        """How long the others may still be waiting in a collective after the first left:
+        the workers' DDL_TIMEOUT, and 5 s."""
+        raw = self.environ.get(envs.DDL_TIMEOUT_VAR) or dict(self.cfg.request.env).get(
+            envs.DDL_TIMEOUT_VAR) or "30"
+        try:
+            return float(raw) + 5.0
+        except ValueError:
+            return 35.0
+
     def check_restored(self) -> None:
         if self.store.check(["formed"]):
             self.formed = max(self.formed, int(self.store.get("formed")))
@@ -387,6 +434,9 @@ class _Driver:
                 if code is not None:
                     return code
             self.check_restored()
+            code = self.check_stalled(now)
+            if code is not None:
+                return code
             if self.finish_by is not None and now >= self.finish_by:
                 left = sorted(w.name for w in self.running)
                 self.sink.note(f"a worker finished; stopping those still running "

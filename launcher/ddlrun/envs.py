@@ -164,6 +164,11 @@ DDL_INIT_TIMEOUT = _v("DDL_INIT_TIMEOUT", "option",
                       "elastic jobs: --elastic-timeout for a worker started into a world the "
                       "others reach at their next commit (unless the user set it)")
 
+DDL_TIMEOUT_VAR = _v("DDL_TIMEOUT", "read",
+                     "how long ddl's collectives wait for a peer (the ranks' own setting, "
+                     "from ddlrun's environment or -x): an elastic job's driver waits as long, "
+                     "plus 5 s, for the others of a world to leave it after the first did")
+
 # groups the code uses
 RANK_FROM_MANAGER = (OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID, PMI_RANK)
 SECRET_SOURCES = (DDL_JOB_SECRET, DDL_JOB_SECRET_FILE)  # either: the user has a secret

@@ -236,6 +236,22 @@ def test_a_world_without_a_worker_of_the_last_one_ends_the_job(job, marker, tmp_
     assert_clean(job, marker, 0)
 
 
+def test_a_stuck_worker_is_stopped_when_the_others_time_out_and_leave(job, marker):
+    """A worker hangs (no exit): its peers' collective times out (DDL_TIMEOUT), they restore
+    and leave the world although ddlrun formed no other; ddlrun sees it, stops the worker
+    that did not leave (stuck), blacklists its slot and forms the next world."""
+    res = elastic(job, "-np", "3", "--min-np", "2", "--max-np", "3", "-x", "DDL_TIMEOUT=3",
+                  PY, STEPS, "10", "2", "hang", "localhost:1", "5", marker, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the hang is after step 5's allreduce; step 6's times out; commit 2 (step 4) restored
+    check_result(res.stdout, 10, [3] * 4 + [2] * 6)
+    assert "ddlrun: worker(s) localhost:1 of world 0 did not leave it with the others " \
+        "(stuck?): stopped; re-forming the world" in res.stderr, res.stderr
+    assert "ddlrun: world 1 (a worker was stuck): 2 ranks on 1 host (localhost:2), " \
+        "DDL_OPTIONS '-mode r:2'" in res.stderr, res.stderr
+    assert_clean(job, marker, 1)
+
+
 def test_slots_removed_by_discovery_the_worker_leaves(job, marker, tmp_path):
     script = discovery(tmp_path, "localhost:3", "localhost:3", "localhost:2")
     # each worker's exit code in code.<worker>: the one that leaves must end with 0
@@ -389,8 +405,8 @@ def test_a_discovery_script_that_hangs_is_killed(tmp_path, marker):
     # no flag sets the discovery timeout (Elastic.discovery_timeout, 10 s) yet
     path = _script(tmp_path, f'"{PY}" -c "import time; time.sleep(60)" {marker}')
     line = _refused(tmp_path, "--host-discovery-script", path, "-np", "2")
-    assert line == f"ddlrun: error: discovery script {path} did not finish in 10 s: it was killed " \
-        "(it must print the hosts and exit)"
+    assert line == f"ddlrun: error: discovery script {path} did not finish in 10 s: it was " \
+        "killed (it must print the hosts and exit)"
     assert wait_gone(marker) == []
 
 

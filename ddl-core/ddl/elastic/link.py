@@ -10,7 +10,9 @@ The keys, written by the driver unless said otherwise:
   ``world/...`` key of that world); ``gen``: the newest world's number;
 - ``update``: ``"<g> <removed_only>"``, the newest change of hosts, announced while the
   workers run: world ``g`` is waiting for them at their next ``check_host_updates``;
-- ``reset/<worker>`` (a worker): the world it left, once it has left it;
+- ``reset/<worker>`` (a worker): the world it left, once it has left it, and
+  ``resets/<g>``, how many left world ``g`` (ddlrun re-forms a world its workers left on
+  their own: a collective timed out, a worker is stuck);
 - ``formed`` (rank 0 of a new world, once every worker joined it): ``"<g>"``; ddlrun
   replaces the new workers of a world superseded before it formed;
 - ``restored`` (rank 0 of a new world): ``"<commit> <g>"``, which ddlrun prints.
@@ -90,6 +92,7 @@ def next_world(timeout: float | None = None) -> dict[str, str] | None:
     timeout = config.get("DDL_ELASTIC_TIMEOUT") if timeout is None else timeout
     store, me, left = _store(), worker(), generation()
     store.set(f"reset/{me}", str(left).encode())
+    store.add(f"resets/{left}", 1)  # ddlrun sees a reset it did not cause (a timeout)
     try:
         g = int(store.get(f"next/{left}", timeout))
         g = max(g, int(store.get("gen", timeout)))

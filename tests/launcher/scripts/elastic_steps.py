@@ -4,12 +4,14 @@ in, so the final value is the sum over steps of size*(size+1)/2 and tells exactl
 world size each committed step had. ``state.commit()`` every COMMIT steps.
 
     elastic_steps.py STEPS COMMIT [kill WORKER STEP] [exit WORKER STEP CODE]
-                     [killagent WORKER STEP] [sleep SECONDS] [mark M] [stamp PATH]
+                     [killagent WORKER STEP] [hang WORKER STEP] [sleep SECONDS]
+                     [mark M] [stamp PATH]
 
 ``kill W S``: the worker named W (``host:slot``) SIGKILLs itself right after step S;
 ``killagent W S``: it SIGKILLs its parent there, the agent of its host (a remote host's
 workers then die with it: the host is lost);
-``exit W S C``: it exits with code C there instead (an ordinary failure); ``sleep T``:
+``exit W S C``: it exits with code C there instead (an ordinary failure); ``hang W S``:
+it sleeps for 10 minutes there (a stuck worker: its peers' collectives time out); ``sleep T``:
 each step sleeps T seconds (room for discovery to change the hosts mid-run);
 ``mark M``: nothing but M on the command line (tests find the workers by it);
 ``stamp P``: every rank appends one JSON line per step to P.<worker> (step, world size).
@@ -33,13 +35,15 @@ from ddl.hvd import lifecycle
 args = sys.argv[1:]
 STEPS, COMMIT = int(args[0]), int(args[1])
 opts = args[2:]
-kill = exit_at = killagent = None
+kill = exit_at = killagent = hang = None
 sleep = 0.0
 stamp = None
 while opts:
     what = opts.pop(0)
     if what == "kill":
         kill = (opts.pop(0), int(opts.pop(0)))
+    elif what == "hang":
+        hang = (opts.pop(0), int(opts.pop(0)))
     elif what == "killagent":
         killagent = (opts.pop(0), int(opts.pop(0)))
     elif what == "exit":
@@ -70,6 +74,8 @@ def train(state: elastic.ObjectState) -> np.ndarray:
                 f.write(json.dumps({"step": state.step, "size": ddl.size()}) + "\n")
         if kill and kill == (me, state.step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if hang and hang == (me, state.step):
+            time.sleep(600)
         if killagent and killagent == (me, state.step):
             os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(30)  # the agent's death takes this worker down (PR_SET_PDEATHSIG)
