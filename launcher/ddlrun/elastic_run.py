@@ -186,8 +186,7 @@ class _Driver:
         every worker joined it) wait in ``init()`` for a rendezvous nobody else comes to:
         they hold no state yet, so they are stopped, and their slots are free for new
         workers of the next world."""
-        if self.store.check(["formed"]):  # fresh: a world may have formed since the poll
-            self.formed = max(self.formed, int(self.store.get("formed")))
+        self.read_formed()  # fresh: a world may have formed since the last poll
         if self.generation <= self.formed:
             return
         stale = [w for w in self.running - self.leaving
@@ -397,9 +396,13 @@ class _Driver:
         except ValueError:
             return 35.0
 
-    def check_restored(self) -> None:
+    def read_formed(self) -> None:
+        """The newest world whose rank 0 said every worker joined it."""
         if self.store.check(["formed"]):
             self.formed = max(self.formed, int(self.store.get("formed")))
+
+    def check_restored(self) -> None:
+        self.read_formed()
         if not self.store.check(["restored"]):
             return
         value = self.store.get("restored")

@@ -152,10 +152,8 @@ class Workers:
                 for key, argv, env in workers)
             return
         backend = SshBackend(self.opts)
-        spec = {"job_id": job_id, "host_index": 0, "grace": self.opts.grace,
-                "cwd": self.cwd or os.getcwd(), "elastic": True,
-                "ranks": [{"rank": key, "argv": list(argv), "env": dict(env)}
-                          for key, argv, env in workers]}
+        spec = self._spec(job_id, [{"rank": key, "argv": list(argv), "env": dict(env)}
+                                   for key, argv, env in workers])
         agent = _Agent(host, [key for key, _, _ in workers], self)
         with self._lock:
             self.agents.append(agent)
@@ -174,6 +172,11 @@ class Workers:
         for agent in agents:
             agent.send({"t": "stop"})
 
+    def _spec(self, job_id: str, ranks: list[dict], **extra: object) -> dict:
+        """An elastic agent's job spec (agent.py): its workers' ``ranks``."""
+        return {"job_id": job_id, "host_index": 0, "grace": self.opts.grace,
+                "cwd": self.cwd or os.getcwd(), "elastic": True, "ranks": ranks, **extra}
+
     def new_world(self, job_id: str) -> None:
         """A new world's job id: every agent removes its shared memory at its end too."""
         self.jobs.append(job_id)
@@ -191,9 +194,7 @@ class Workers:
         for host in hosts:
             if is_here(host) or not self.jobs:
                 continue
-            spec = {"job_id": self.jobs[0], "host_index": 0, "grace": self.opts.grace,
-                    "cwd": self.cwd or os.getcwd(), "elastic": True, "ranks": [],
-                    "env": dict(secret_env)}
+            spec = self._spec(self.jobs[0], [], env=dict(secret_env))
             agent = _Agent(host, [], self)
             agent.start(SshBackend(self.opts).get_cmd(HostSpec(host)), spec,
                         self.opts.start_timeout)
