@@ -3,8 +3,10 @@
 part in one job with no shutdown between them, as Horovod's CI runs its tests. The parts are
 workers/hvd_named.py's."""
 
+import os
+
 import pytest
-from torch_util import reports, run_worker
+from torch_util import WORKERS, ddlrun, reports, run_worker
 
 from tests.core.util import hosts_env
 
@@ -86,3 +88,15 @@ def test_a_stalled_name_warns_then_fails_on_every_rank_together():
         assert f"ranks {other} never submitted it" in got["error"], got
         assert got["in_step"] and 2.5 < got["seconds"] < 30, got
         assert f"name='only.{rank}'" in res.stderr and "still waits for ranks" in res.stderr
+
+
+def test_a_shutdown_ends_the_named_calls_that_wait_for_the_leaving_rank():
+    # the worker's rank 0 waits on a name rank 1 never submits; rank 1 shuts down
+    res = ddlrun(2, [os.path.join(WORKERS, "named_shutdown.py")], timeout=120,
+                 env={"DDL_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[0] rank 0 raised DDLPeerError: rank 0: rank(s) 1 called hvd.shutdown() while " \
+        "this named call waited for them" in res.stdout, res.stdout
+    assert "[1] rank 1: shutdown returned" in res.stdout
+    for r in (0, 1):
+        assert f"[{r}] rank {r} sum [2.0, 2.0]" in res.stdout, res.stdout

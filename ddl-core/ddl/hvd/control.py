@@ -210,14 +210,16 @@ class Retry(BaseException):  # noqa: N818 - an outcome, not a failure
 
 # What a step that met a round does first, on every rank of the set: named.py registers it
 # (it runs the named calls every rank has submitted). negotiate knows nothing of names.
-on_round: Callable[[np.ndarray], None] | None = None
+on_round: Callable[[np.ndarray, bool], None] | None = None
 
 
-def meet_round(r: np.ndarray) -> None:
-    """The step's result ``r`` showed a round (``r[ROUNDING] == 1``): take part in it."""
+def meet_round(r: np.ndarray, shutting: bool = False) -> None:
+    """The step's result ``r`` showed a round (``r[ROUNDING] == 1``): take part in it;
+    ``shutting``: this rank's step is ``hvd.shutdown()``'s (the peers' named calls that
+    wait for this rank then fail, as Horovod's shutdown ends pending operations)."""
     if on_round is None:
         raise ddl.DDLError("a peer runs named calls by name, but ddl.hvd.named is not loaded")
-    on_round(r)
+    on_round(r, shutting)
 
 
 # ------------------------------------------------------------------- the exchange
@@ -309,7 +311,7 @@ def settle(call: Call, word: int, payload: int, failed: BaseException | None,
             share_layout(r, call.members())
         return r
     if is_round(r):
-        meet_round(r)
+        meet_round(r, call.kind == SHUTDOWN)
         raise Retry
     rows, notes = diagnose(mine(call, failed is not None, word, payload),
                            _note(call, failed))

@@ -50,24 +50,28 @@ from .descriptor import NAMES, PENDING, Call, name_word, round_descriptor
 
 _log = logging.getLogger("ddl")
 OFFER = 64  # names a rank offers per round; older ones first, the others in later rounds
-_HEAD = 2  # offer row: [names offered (-1: joined), stall abort], then the names
+_HEAD = 3  # offer row: [names offered (-1: joined), stall abort, shutting down], the names
 # the sequence word of a call run by name: the same on every rank, whatever each has run
 _NAMED_WORD = 1 << 50
 
 
 class _Entry:
-    """One named call of this rank, from its submission until its name is free again."""
+    """One named call of this rank, from its submission until its name is free again. A
+    blocking call on the fast path has no handle (an ``Event`` costs 2 us): it gets one only
+    when it waits in the pool (``_pool``), before any round can see it."""
 
-    __slots__ = ("name", "word", "kind", "planned", "failure", "handle", "since", "warned",
-                 "done_epoch")
+    __slots__ = ("name", "word", "kind", "planned", "failure", "handle", "label", "since",
+                 "warned", "done_epoch", "done", "out", "error")
 
     def __init__(self, name: str, kind: int, planned: ng.Planned | None,
-                 failure: BaseException | None, handle: NamedHandle) -> None:
-        self.name, self.word, self.kind = name, name_word(name), kind
+                 failure: BaseException | None, handle: NamedHandle | None,
+                 label: str) -> None:
+        self.name, self.word, self.kind, self.label = name, name_word(name), kind, label
         self.planned, self.failure, self.handle = planned, failure, handle
         self.since = time.monotonic()
         self.warned = False
         self.done_epoch = -1
+        self.done, self.out, self.error = False, None, None
 
 
 class NamedHandle(_runtime.QueuedHandle):
@@ -152,8 +156,11 @@ def _run_round(st: control._State) -> None:
         control.running.st = outer
 
 
-def _offer(r: np.ndarray) -> None:
-    """A step met a round (``control.on_round``): every rank of the set is here."""
+def _offer(r: np.ndarray, shutting: bool = False) -> None:
+    """A step met a round (``control.on_round``): every rank of the set is here.
+    ``shutting``: this rank's step is ``hvd.shutdown()``'s; then every rank's named calls
+    that cannot run now fail (Horovod's shutdown ends the pending operations), so that
+    nobody waits for a rank that is leaving."""
     st = control.current()
     tried = st.trying
     if tried is not None:  # this rank's named call met other names: it waits in the pool
@@ -165,6 +172,7 @@ def _offer(r: np.ndarray) -> None:
     row = np.zeros((1, _HEAD + OFFER), dtype=np.int64)
     row[0, 0] = -1 if st.joined else len(entries)
     row[0, 1] = int(_stall_abort(entries))
+    row[0, 2] = int(shutting)
     row[0, _HEAD:_HEAD + len(entries)] = [e.word for e in entries]
     rows = control.engine_step(_api.plan_allgather(row, st.group))
     live = [i for i in range(rows.shape[0]) if rows[i, 0] >= 0]
@@ -176,12 +184,21 @@ def _offer(r: np.ndarray) -> None:
     if not offers or st.joined:
         return  # a joined rank serves the calls below as they come (join.py)
     ready = [w for w in offers[0] if all(w in h for h in held[1:])]
-    _check_stalls(st, held, live, set(ready))
+    leaving = [st.global_rank(i) for i in range(rows.shape[0]) if rows[i, 2]]
+    if not leaving:
+        _check_stalls(st, held, live, set(ready))
     for w in ready:
         _execute(st, st.pending.pop(st.by_word.pop(w)))
+    if leaving:
+        _fail_all(st, ddl.DDLPeerError(
+            f"rank {ddl.rank()}: rank(s) {','.join(map(str, leaving))} called hvd.shutdown() "
+            "while this named call waited for them (Horovod's shutdown ends pending "
+            "operations)"))
 
 
 def _pool(st: control._State, e: _Entry) -> None:
+    if e.handle is None:
+        e.handle = NamedHandle(e.label, st)
     if e.word in st.by_word:  # two names with one 62-bit hash: never in practice
         raise ddl.DDLConfigError(f"hvd: the names {e.name!r} and {st.by_word[e.word]!r} "
                                  "have the same hash; rename one")
@@ -259,7 +276,9 @@ def _execute(st: control._State, e: _Entry) -> None:
 
 def _finish(st: control._State, e: _Entry, out: Any, error: BaseException | None) -> None:
     e.done_epoch = st.epoch
-    e.handle._finish(out, error)
+    e.out, e.error, e.done = out, error, True
+    if e.handle is not None:
+        e.handle._finish(out, error)
 
 
 def _fail_all(st: control._State, exc: BaseException) -> None:
@@ -328,7 +347,7 @@ def _check_free(name: Any, kind: int, st: control._State) -> None:
     e = st.named.get(name)
     if e is None:
         return
-    if e.handle.finished() and e.done_epoch != st.epoch:
+    if e.done and e.done_epoch != st.epoch:
         del st.named[name]
         return
     raise ddl.DDLConfigError(
@@ -348,15 +367,16 @@ def submit(kind: int, name: str | None, plan: Callable[[], ng.Planned], *, async
         raise ddl.DDLError("ddl is not initialized: call hvd.init() first")
     st = scope or control.global_state()
     _check_free(name, kind, st)
-    inner = NamedHandle(label, st)
+    # An async call needs its handle now; a blocking one only if it has to wait (_pool).
+    inner = NamedHandle(label, st) if async_ else None
     try:
         planned, failure = plan(), None
     except Exception as exc:  # noqa: BLE001 - raised below, and on every rank once matched
         planned, failure = None, exc
-    e = _Entry(name, kind, planned, failure, inner)
+    e = _Entry(name, kind, planned, failure, inner, label)
     with st.lock:
         if len(st.named) > 4096:
-            for k in [k for k, v in st.named.items() if v.handle.finished()]:
+            for k in [k for k, v in st.named.items() if v.done]:
                 del st.named[k]
         st.named[name] = e
         # The fast path, when nothing named is in flight here: the call takes the next
@@ -369,15 +389,22 @@ def submit(kind: int, name: str | None, plan: Callable[[], ng.Planned], *, async
         try:
             job = _api.dispatch(lambda: _try(st, e), label, async_=async_, group=st.group)
         except BaseException:
-            if not inner.finished():  # the job was never queued
+            if not e.done:  # the job was never queued
                 with st.lock:
                     st.tries -= 1
             raise
-        inner.trying = job if async_ else None
+        if async_:
+            inner.trying = job
+        elif e.done:  # it ran: the common case, with no handle to make or wait on
+            control.observe(-1, st)
+            if e.error is not None:
+                raise e.error
+            return planned.finish(e.out) if planned.finish is not None else e.out
     else:
         with st.lock:
             _pool(st, e)
         ensure_round(st)
+    inner = e.handle  # made by _pool if this blocking call waits there
     if failure is not None:
         if not async_:  # a blocking call raises once it failed on every rank, together
             try:

@@ -6,7 +6,8 @@ as momentum stays per rank; the step's parameter *delta* (new - old) is combined
 with Adasum (:mod:`ddl.hvd.adasum`, coefficients per parameter), and every parameter is set
 to old + combined delta, the same on every rank. ``backward_passes_per_step`` counts
 backward passes as in Horovod (more than that before ``step()`` raises; the gradients add
-up locally); ``synchronize()`` does nothing and ``skip_synchronize()`` raises, as there.
+up locally); ``synchronize()`` does nothing and ``skip_synchronize()`` raises, as there;
+and, as there, construction gives every parameter that requires a gradient a zero ``.grad``.
 
 Horovod starts each parameter's step and allreduce from its gradient hook; here ``step()``
 steps the wrapped optimizer once and reduces every delta in one grouped call (the same
@@ -37,8 +38,8 @@ from .optimizer_base import WrappedOptimizer, checked_arguments
 
 class AdasumDeltas(WrappedOptimizer):
     """The Adasum optimizer's construction, hooks and ``step()``, which override the plain
-    DistributedOptimizer's (same arguments). Fusion settings are accepted and unused: the
-    deltas go as one grouped call."""
+    DistributedOptimizer's (same arguments). Fusion settings and ``sparse`` are accepted and
+    unused: the deltas go as one grouped call."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class AdasumDeltas(WrappedOptimizer):
         *,
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
+        sparse: bool | dict = False,
     ) -> None:
         named = checked_arguments(optimizer, named_parameters, process_set,
                                   backward_passes_per_step, "Adasum does not support "
@@ -65,6 +67,12 @@ class AdasumDeltas(WrappedOptimizer):
         self._init_base(optimizer)
         self._init_parameters(named, compression, backward_passes_per_step)
         self.process_set = global_process_set
+        # Horovod's _DistributedAdasumOptimizer gives every parameter that requires a
+        # gradient a fresh zero one when it is built (replacing any it had), so code that
+        # reads .grad before the first backward sees zeros; the plain optimizer does not.
+        with torch.no_grad():
+            for p in self._params:
+                p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
 

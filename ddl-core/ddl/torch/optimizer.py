@@ -83,10 +83,12 @@ class DistributedOptimizer(WrappedOptimizer):
     Same arguments as ``horovod.torch.DistributedOptimizer``, plus the fusion settings:
     ``fusion_threshold_bytes`` (default ``DDL_FUSION_THRESHOLD``, 128 MiB; 0 disables
     fusion) and ``cycle_time_ms`` (default ``DDL_CYCLE_TIME``, 1 ms; 0 keeps the
-    size-only plan). The wrapper shares ``param_groups``/``state``/``defaults`` with
-    ``optimizer``, so LR schedulers and checkpoints work on either; step hooks registered
-    on the wrapper run around its ``step()``, state-dict hooks around the wrapped
-    optimizer's ``state_dict()``/``load_state_dict()``.
+    size-only plan). ``sparse=`` (an earlier Horovod's keyword) is accepted and changes
+    nothing: sparse gradients are always allgathered. The wrapper shares
+    ``param_groups``/``state``/``defaults`` with ``optimizer``, so LR schedulers and
+    checkpoints work on either; step hooks registered on the wrapper run around its
+    ``step()``, state-dict hooks around the wrapped optimizer's
+    ``state_dict()``/``load_state_dict()``.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedOptimizer:
@@ -113,7 +115,11 @@ class DistributedOptimizer(WrappedOptimizer):
         *,
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
+        sparse: bool | dict = False,
     ) -> None:
+        # ``sparse`` is an earlier Horovod's keyword, which its tests still pass: there it
+        # was stored and never read (a gradient's own layout chose allgather), as here.
+        del sparse
         # Argument errors first, as Horovod raises them (ValueError) before anything else
         named = checked_arguments(optimizer, named_parameters, process_set,
                                   backward_passes_per_step)
