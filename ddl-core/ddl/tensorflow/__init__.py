@@ -26,6 +26,8 @@ from ddl.hvd.basics import *  # noqa: F403 - the names every adapter has
 from ddl.hvd.basics import Average, ProcessSet, global_process_set
 
 from . import elastic, gradient_tape
+from . import graph_threads as _graph_threads
+from . import legacy_optimizer as _legacy_optimizer
 from .compression import Compression, Compressor
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
@@ -52,6 +54,10 @@ from .mpi_ops import (
     size_op,
 )
 
+# Before TensorFlow starts (a TF1 session sizes its thread pool when it is made, which may
+# be before hvd.init()): enough inter-op threads for a graph's collectives.
+_graph_threads.reserve()
+
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the job (``ddl.init()``); see :func:`ddl.hvd.lifecycle.init`."""
@@ -59,7 +65,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
-                         device_dense: str = "", device_sparse: str = "",
+                         use_locking: bool = False, device_dense: str = "", device_sparse: str = "",
                          compression: type[Compressor] = Compression.none,
                          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                          op: Any = Average, backward_passes_per_step: int = 1,
@@ -67,13 +73,19 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
                          groups: Any = None, process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True) -> Any:
     """Horovod's TensorFlow ``DistributedOptimizer``: for a Keras optimizer this is
-    :func:`ddl.keras.DistributedOptimizer` (same arguments). TF1 ``tf.compat.v1.train``
-    optimizers (graph mode with sessions) are not supported."""
+    :func:`ddl.keras.DistributedOptimizer` (same arguments); a TF1
+    ``tf.compat.v1.train.Optimizer`` (graph mode with sessions) is wrapped as Horovod's
+    ``_DistributedOptimizer`` (:mod:`.legacy_optimizer`)."""
+    if _legacy_optimizer.is_legacy_optimizer(optimizer):
+        reduce_args = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                           gradient_predivide_factor=gradient_predivide_factor)
+        return _legacy_optimizer.LegacyDistributedOptimizer(
+            optimizer, name, use_locking, reduce_args, process_set, backward_passes_per_step,
+            average_aggregated_gradients)
     if not _keras_optimizer.is_keras_optimizer(optimizer):
         raise NotImplementedError(
-            "ddl.tensorflow.DistributedOptimizer takes a Keras optimizer; for a custom loop "
-            "use hvd.DistributedGradientTape (TF1 tf.compat.v1.train optimizers are not "
-            "supported)")
+            "ddl.tensorflow.DistributedOptimizer takes a Keras optimizer or a TF1 "
+            "tf.compat.v1.train.Optimizer; for a custom loop use hvd.DistributedGradientTape")
     _keras_optimizer.check_optimizer(optimizer)
     reduction = (gradient_tape.KERAS_REDUCTION if _keras_optimizer.backend() == "tensorflow"
                  else _keras_optimizer.TORCH)

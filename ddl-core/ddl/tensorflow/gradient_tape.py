@@ -48,6 +48,11 @@ def reduce_gradients(grads: list[Any], *, compression: type[Compressor] = Compre
     return out
 
 
+def _member(process_set: ProcessSet | None) -> bool:
+    """Whether this rank reduces over ``process_set`` (every rank is in the global set)."""
+    return process_set is None or process_set is global_process_set or process_set.included()
+
+
 def var_key(v: Any) -> int:
     """A variable's identity: a Keras 3 variable and the ``tf.Variable`` it holds (its
     ``.value`` on the tensorflow backend) are the same variable."""
@@ -61,7 +66,10 @@ def reduce_with_locals(grads: list[Any], sources: list[Any], local: dict[int, An
     """``reduce_gradients`` of the gradients whose source is not registered as local; a
     local source's gradient stays this rank's own, divided by the set's size when
     ``scale_local_gradients`` (Horovod's, so that with Average it weighs as much as the
-    averaged ones; horovod pull 3695)."""
+    averaged ones; horovod pull 3695). A rank outside ``process_set`` takes no part and
+    keeps its own gradients unchanged, as in Horovod."""
+    if not _member(process_set):
+        return list(grads)
     if not local:
         return reduce_gradients(grads, process_set=process_set, **reduce_args)
     is_local = [var_key(s) in local for s in sources]
@@ -137,7 +145,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
     Every gradient travels in one grouped call (fused per dtype), so ``num_groups`` and
     ``groups`` are accepted and change nothing; ``device_*`` are accepted for
     compatibility. ``tape.register_local_source(v)`` keeps ``v``'s gradient local."""
-    scope(process_set)  # this rank must be in it
+    if _member(process_set):
+        scope(process_set)  # a set this rank is in must be known here
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__),
                {})
     tape = cls.__new__(cls)

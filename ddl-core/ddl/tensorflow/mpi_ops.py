@@ -86,7 +86,7 @@ def _allreduce(x: tf.Tensor, average: bool | None, op: Any, pre: float, post: fl
             return [C.allreduce(a, average=average, name=key.name, op=op, prescale=pre,
                                 postscale=post, process_set=process_set)]
 
-        y, = run_op(step, [t], [t.dtype], key)
+        y, = run_op(step, [t], [t.dtype], key, process_set=process_set)
         y.set_shape(t.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -160,7 +160,7 @@ def _grouped_allreduce(xs: list[tf.Tensor], average: bool | None, op: Any, pre: 
             return C.grouped_allreduce(list(arrays), average=average, name=key.name, op=op,
                                        prescale=pre, postscale=post, process_set=process_set)
 
-        ys = run_op(step, ts, [t.dtype for t in ts], key)
+        ys = run_op(step, ts, [t.dtype for t in ts], key, process_set=process_set)
         for y, t in zip(ys, ts):
             y.set_shape(t.shape)
 
@@ -218,7 +218,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
         def step(a: np.ndarray) -> list[np.ndarray]:
             return [C.allgather(a, name=key.name, process_set=process_set)]
 
-        y, = run_op(step, [t], [t.dtype], key)
+        y, = run_op(step, [t], [t.dtype], key, process_set=process_set)
         y.set_shape(_shape_rows(t))
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -250,7 +250,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
         def step(*arrays: np.ndarray) -> list[np.ndarray]:
             return C.grouped_allgather(list(arrays), name=key.name, process_set=process_set)
 
-        ys = run_op(step, ts, [t.dtype for t in ts], key)
+        ys = run_op(step, ts, [t.dtype for t in ts], key, process_set=process_set)
         for y, t in zip(ys, ts):
             y.set_shape(_shape_rows(t))
 
@@ -286,7 +286,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         def step(a: np.ndarray) -> list[np.ndarray]:
             return [C.broadcast(a, root_rank, name=key.name, process_set=process_set)]
 
-        y, = run_op(step, [t], [t.dtype], key)
+        y, = run_op(step, [t], [t.dtype], key, process_set=process_set)
         y.set_shape(t.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -326,7 +326,8 @@ def _broadcast_assign(vs: list[Any], root_rank: int, name: str | None, process_s
                            what="broadcast_variables", process_set=process_set)
         return out
 
-    outs = run_op(step, [_read(v) for v in vs], [tf.as_dtype(v.dtype) for v in vs], key)
+    outs = run_op(step, [_read(v) for v in vs], [tf.as_dtype(v.dtype) for v in vs], key,
+                  process_set=process_set)
     for v, o in zip(vs, outs):
         o.set_shape(v.shape)
     return [v.assign(o) for v, o in zip(vs, outs)]
@@ -400,7 +401,7 @@ def _alltoall(x: tf.Tensor, splits: Any, name: str | None, process_set: Any,
                               process_set=process_set, with_splits=True)
             return [y, r.astype(np.int32)]
 
-        y, received = run_op(step, [t, sp], [t.dtype, tf.int32], key)
+        y, received = run_op(step, [t, sp], [t.dtype, tf.int32], key, process_set=process_set)
         y.set_shape(_shape_rows(t))
         received.set_shape([scope(process_set).size])
 
@@ -428,7 +429,7 @@ def _reducescatter(xs: list[tf.Tensor], op: Any, pre: float, post: float,
                                   grouped=grouped)
             return out if grouped else [out]
 
-        ys = run_op(step, ts, [t.dtype for t in ts], key)
+        ys = run_op(step, ts, [t.dtype for t in ts], key, process_set=process_set)
         for y, t in zip(ys, ts):
             y.set_shape(_shape_rows(t))
 

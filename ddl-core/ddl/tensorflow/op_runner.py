@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import ddl
 from ddl import timeline as _tl
+from ddl.hvd.process_sets import scope
 
 
 class Key:
@@ -68,12 +69,17 @@ def _normalize_name(name: str) -> str:
 
 
 def run_op(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DType],
-           key: Key | str) -> list[tf.Tensor]:
+           key: Key | str, process_set: Any = None) -> list[tf.Tensor]:
     """``fn`` (numpy arrays in, a list of numpy arrays out) on ``inputs``: now, or as one
     stateful op of the graph being built. In eager calls ddl's mismatch and unsupported
-    errors are raised as Horovod's TensorFlow errors (see :func:`horovod_error`)."""
+    errors are raised as Horovod's TensorFlow errors (see :func:`horovod_error`). A graph
+    op on a ``process_set`` that is not registered, or that this rank is not in, is
+    refused when it is built (Horovod's ``ValueError`` for an unknown set)."""
     if isinstance(key, str):
         key = Key(key, key, ())
+    if process_set is not None and not tf.executing_eagerly():
+        with horovod_errors():
+            scope(process_set)
     if tf.executing_eagerly():
         device = _accelerator(inputs)
         with horovod_errors():
@@ -109,22 +115,37 @@ class HorovodMismatchError(tf.errors.FailedPreconditionError, ddl.DDLMismatchErr
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
 
 
+class HorovodInvalidArgumentError(tf.errors.InvalidArgumentError, ddl.DDLConfigError):
+    """A call this rank cannot make (an alltoall whose rows do not split over the ranks, a
+    process set this rank is not in or that is not registered): raised eagerly where
+    Horovod raises ``tf.errors.InvalidArgumentError``; it is a ``ddl.DDLConfigError`` (a
+    ``ValueError``, as Horovod's refusal of an unknown process set) too."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+
+
 def horovod_error(exc: BaseException) -> BaseException:
     """``exc`` as Horovod's TensorFlow binding raises it: a ``ddl.DDLMismatchError`` as a
-    :class:`HorovodMismatchError` (its attributes kept); anything else unchanged."""
-    if isinstance(exc, ddl.DDLMismatchError) and not isinstance(exc, HorovodMismatchError):
-        new = HorovodMismatchError(str(exc))
-        new.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(new)})
-        return new
+    :class:`HorovodMismatchError`, a ``ddl.DDLConfigError`` as a
+    :class:`HorovodInvalidArgumentError` (their attributes kept); anything else
+    unchanged."""
+    for ddl_type, horovod_type in ((ddl.DDLMismatchError, HorovodMismatchError),
+                                   (ddl.DDLConfigError, HorovodInvalidArgumentError)):
+        if isinstance(exc, ddl_type) and not isinstance(exc, horovod_type):
+            new = horovod_type(str(exc))
+            new.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(new)})
+            return new
     return exc
 
 
 @contextlib.contextmanager
 def horovod_errors() -> Iterator[None]:
-    """Raise ddl's mismatch errors as Horovod's (see :func:`horovod_error`)."""
+    """Raise ddl's mismatch and refused-call errors as Horovod's (see
+    :func:`horovod_error`)."""
     try:
         yield
-    except ddl.DDLMismatchError as exc:
+    except (ddl.DDLMismatchError, ddl.DDLConfigError) as exc:
         new = horovod_error(exc)
         if new is exc:
             raise
