@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="HOST[:PORT]", help="torchrun's: same as --master-addr/--master-port")
     e.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
                    choices=("c10d", "static"),
-                   help="torchrun's: accepted; ddlrun's rendezvous is always rank 0's host")
+                   help="torchrun's: accepted; ddlrun's rendezvous is always rank 0's host, "
+                   "or with --nnodes MIN:MAX / --max-restarts the --rdzv-endpoint host's")
+    e.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", metavar="K=V,...",
+                   help="torchrun's: join_timeout (600), last_call_timeout (30), "
+                   "close_timeout (30) seconds, for --nnodes MIN:MAX / --max-restarts")
     e.add_argument("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id",
                    help="job id (default: time + random)")
     e.add_argument("--tcp", action="store_true",
@@ -184,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL at teardown (default 5)")
     r.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", metavar="N",
                    help="torchrun's: when a rank fails, stop every rank and start the whole "
-                   "job again, up to N times (default 0; local launcher only)")
+                   "job again, up to N times (default 0; one host, or one ddlrun per node)")
     el = p.add_argument_group("elastic training (Horovod's; docs/elastic.md)")
     el.add_argument("--min-np", "--min_np", dest="min_np", type=int, metavar="N",
                     help="elastic: go on while at least N ranks are left (default: -np)")

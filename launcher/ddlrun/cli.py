@@ -27,6 +27,7 @@ from .config import Config
 from .configure import MAX_RESTARTS, config_from_args, files_named
 from .elastic_run import run_elastic
 from .errors import LaunchError, PreflightError, UsageError
+from .node_elastic import run_node_elastic
 from .output import OutputSink, silence
 from .plan import JobPlan
 from .reaper import become_subreaper
@@ -111,6 +112,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, sink: Outpu
         backend.validate(plan)
         if cfg.elastic is not None and not cfg.dry_run:
             return run_elastic(cfg, facts, inputs, sink, os.environ)
+        if cfg.rendezvous is not None and not cfg.dry_run:
+            return run_node_elastic(cfg, facts, inputs, sink, os.environ)
 
         def next_attempt(attempt: int) -> tuple[JobPlan, Backend]:  # --max-restarts
             again = plan_job(cfg, facts, restart_inputs(cfg, inputs, attempt, os.environ),

@@ -28,6 +28,22 @@ class Elastic:
 
 
 @dataclass(frozen=True)
+class NodeRendezvous:
+    """torchrun's elastic shape (``--nnodes MIN:MAX``, ``--max-restarts`` with one ddlrun
+    per node): the ddlruns meet at ``host:port`` (``--rdzv-endpoint``; the one on that host
+    serves it) and form each round of the job there (``node_rdzv``). The timeouts are
+    torchrun's ``--rdzv-conf`` keys, with its defaults."""
+
+    min_nodes: int
+    max_nodes: int
+    host: str
+    port: int
+    join_timeout: float = 600.0
+    last_call: float = 30.0
+    close_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
 class Config:
     request: Request
     options: LaunchOptions
@@ -45,6 +61,7 @@ class Config:
     max_restarts: int = 0  # --max-restarts: starts of the whole job after a failure
     output_ranks: frozenset[int] | None = None  # --output-ranks: shown on the terminal
     elastic: Elastic | None = None  # --min-np/--max-np/--host-discovery-script
+    rendezvous: NodeRendezvous | None = None  # one ddlrun per node, restarting together
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from . import envs
 from .backends import LaunchOptions, is_root
 from .backends.mpirun import parse_mpiargs
-from .config import Config, Elastic, Files
+from .config import Config, Elastic, Files, NodeRendezvous
 from .core import validate_job_id
 from .elastic_hosts import check_cooldown_range
 from .errors import UsageError
@@ -104,11 +104,10 @@ def parse_max_restarts(text: str | None, launcher: str, per_node: bool,
         raise UsageError(f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, "
                          f"got {text!r}")
     count = int(text)
-    if count and (launcher != "local" or per_node):
-        where = ("one ddlrun per node (--nnodes/--node-rank)" if per_node
-                 else f"--launcher {launcher}")
-        raise UsageError(f"--max-restarts {count}: restarts are not supported with {where} "
-                         "yet, only with the local launcher (one host); drop --max-restarts")
+    if count and launcher != "local" and not per_node:
+        raise UsageError(f"--max-restarts {count}: restarts are not supported with --launcher "
+                         f"{launcher} yet, only on one host or with one ddlrun per node "
+                         "(torchrun's way); drop --max-restarts")
     if count and job_id is not None:
         last = attempt_job_id(validate_job_id(job_id), count)
         try:
@@ -120,24 +119,80 @@ def parse_max_restarts(text: str | None, launcher: str, per_node: bool,
     return count
 
 
-def parse_nnodes(text: str | int | None) -> int | None:
-    """``--nnodes N``, or torchrun's ``MIN:MAX``: only ``N:N`` (a fixed number of nodes)
-    in this release; ``MIN > MAX`` and a range are one line each."""
-    if text is None or isinstance(text, int):
-        return text
+def parse_nnodes(text: str | int | None) -> tuple[int, int] | None:
+    """``--nnodes N`` or torchrun's ``MIN:MAX``: (MIN, MAX), N being N:N; MIN above MAX
+    is one line."""
+    if text is None:
+        return None
+    if isinstance(text, int):
+        return text, text
     low, sep, high = text.strip().partition(":")
     if not digits(low) or (sep and not digits(high)):
         raise UsageError(f"--nnodes {text!r}: expected a whole number N or MIN:MAX")
     if not sep:
-        return int(low)
+        return int(low), int(low)
     if int(low) > int(high):
         raise UsageError(f"--nnodes {text}: MIN {int(low)} is greater than MAX {int(high)}")
-    if int(low) != int(high):
-        raise UsageError(f"--nnodes {text}: a changing number of nodes (torchrun's elastic "
-                         "MIN:MAX) is not supported yet: give --nnodes N (with "
-                         "--max-restarts for restarts), or --min-np/--max-np for Horovod's "
-                         "in-place elastic training on one host")
-    return int(low)
+    if int(low) < 1:
+        raise UsageError(f"--nnodes {text}: MIN must be at least 1")
+    return int(low), int(high)
+
+
+RDZV_CONF = {"join_timeout": "join_timeout", "last_call_timeout": "last_call",
+             "close_timeout": "close_timeout"}
+RDZV_PORT = 29400  # torchrun's c10d rendezvous port when --rdzv-endpoint names none
+
+
+def parse_rdzv_conf(text: str | None) -> dict[str, float]:
+    """torchrun's ``--rdzv-conf k=v,k=v``: the timeouts ddlrun's rendezvous has (seconds)."""
+    out: dict[str, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if key not in RDZV_CONF or not sep:
+            raise UsageError(f"--rdzv-conf {item.strip()!r}: expected KEY=SECONDS with KEY "
+                             f"one of {', '.join(RDZV_CONF)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds <= 86400:
+            raise UsageError(f"--rdzv-conf {key}={value.strip()!r}: seconds from 0 to 86400")
+        out[RDZV_CONF[key]] = seconds
+    return out
+
+
+def parse_node_rendezvous(args: argparse.Namespace, nodes: tuple[int, int] | None,
+                          per_node: bool, max_restarts: int, master_addr: str | None,
+                          master_port: int | None) -> NodeRendezvous | None:
+    """torchrun's elastic shape: one ddlrun per node with ``--nnodes MIN:MAX`` (MIN <
+    MAX) or ``--max-restarts`` meets the others at the endpoint each round; None for a
+    fixed job."""
+    ranged = nodes is not None and nodes[0] < nodes[1]
+    if ranged and not per_node:
+        raise UsageError(f"--nnodes {nodes[0]}:{nodes[1]} is for one ddlrun per node "
+                         "(torchrun's way, without -H/--hostfile); with hosts given, use "
+                         "--min-np/--max-np (Horovod's elastic training)")
+    if not per_node or not (ranged or max_restarts):
+        if args.rdzv_conf:
+            raise UsageError("--rdzv-conf goes with --nnodes MIN:MAX or --max-restarts "
+                             "and one ddlrun per node")
+        return None
+    if args.node_rank is not None:
+        raise UsageError("--node-rank: with --nnodes MIN:MAX or --max-restarts the nodes take "
+                         "their ranks in the rendezvous, as torchrun's c10d does: drop it")
+    if args.nproc is not None and ranged:
+        raise UsageError("-n: with --nnodes MIN:MAX the number of ranks follows the nodes "
+                         "present; give --nproc-per-node instead")
+    if not master_addr:
+        raise UsageError("--nnodes MIN:MAX / --max-restarts with one ddlrun per node: give "
+                         "--rdzv-endpoint HOST[:PORT], the same on every node (the ddlrun "
+                         "on HOST serves the rendezvous)")
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    assert nodes is not None
+    return NodeRendezvous(nodes[0], nodes[1], master_addr, master_port or RDZV_PORT, **conf)
 
 
 _ELASTIC_ONLY = (("slots", "--slots"), ("elastic_timeout", "--elastic-timeout"),
@@ -296,7 +351,9 @@ def _per_node_layout(args: argparse.Namespace, launcher: str, master_addr: str |
         raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes)")
     if not master_addr:
         raise UsageError("--nnodes without -H runs one ddlrun per node: give "
-                         "--master-addr (node 0's address, the same on every node)")
+                         "--rdzv-endpoint HOST[:PORT] or --master-addr, the same on every "
+                         "node (node 0's address; with --nnodes MIN:MAX or --max-restarts "
+                         "the node whose ddlrun serves the rendezvous)")
     if launcher not in ("auto", "local"):
         raise UsageError(f"--launcher {launcher}: one ddlrun per node starts its own "
                          "node's ranks (local); use -H/--hostfile for ssh or mpirun")
@@ -379,7 +436,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
     ``files`` (``steps.read_files``), so a missing or unreadable one is the same one-line
     error there."""
     files = files or Files()
-    args = argparse.Namespace(**{**vars(args), "nnodes": parse_nnodes(args.nnodes)})
+    nodes = parse_nnodes(args.nnodes)
+    args = argparse.Namespace(**{**vars(args), "nnodes": nodes[1] if nodes else None})
     program = list(args.program)
     if program and program[0] == "--":
         program = program[1:]
@@ -391,6 +449,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
         master_addr = master_addr or addr
         master_port = master_port or port
     per_node = is_per_node(args)
+    asked_port = master_port  # the rendezvous endpoint's, before per-node's default
     accelerators, nproc, nnodes = args.accelerators, args.nproc, None
     allocation = None
     if per_node:
@@ -415,6 +474,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
                            bool(program) and files.runs_itself(program[0]))
     _check_run_values(args)
     max_restarts = parse_max_restarts(args.max_restarts, launcher, per_node, args.job_id)
+    rendezvous = parse_node_rendezvous(args, nodes, per_node, max_restarts, master_addr,
+                                       asked_port)
     elastic = parse_elastic(args, launcher, per_node, max_restarts, nproc)
     request = Request(
         program=tuple(program),
@@ -447,13 +508,15 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
         preflight=not args.no_preflight,
         log_dir=args.log_dir,
         timeout=args.timeout,
-        master_port=master_port,
+        # with the rendezvous it is the endpoint's; each round's ranks get one node 0 picks
+        master_port=None if rendezvous is not None else master_port,
         job_id=args.job_id,
         verbose=bool(args.verbose),
         per_node=per_node,
         max_restarts=max_restarts,
         output_ranks=args.output_ranks,
         elastic=elastic,
+        rendezvous=rendezvous,
     )
 
 

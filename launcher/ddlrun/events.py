@@ -69,5 +69,15 @@ class StartFailed:
     time: float
 
 
-Event = RankExit | HostLost | JobExit | StartFailed
+@dataclass(frozen=True)
+class Superseded:
+    """Not a rank's event: the job this ddlrun runs one node of has moved on without this
+    start of it (another node's failure, nodes joining: ``node_rdzv.watch``), so this
+    node's ranks stop, and no rank is to blame."""
+
+    reason: str
+    time: float
+
+
+Event = RankExit | HostLost | JobExit | StartFailed | Superseded
 Emit = Callable[[Event], None]

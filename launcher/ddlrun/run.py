@@ -33,7 +33,16 @@ from dataclasses import dataclass, replace
 from . import diagnose, flight_report
 from . import failures as blame
 from .backends.base import Backend
-from .events import Event, HostLost, JobExit, RankExit, StartFailed, Stuck, describe_code
+from .events import (
+    Event,
+    HostLost,
+    JobExit,
+    RankExit,
+    StartFailed,
+    Stuck,
+    Superseded,
+    describe_code,
+)
 from .output import OutputSink
 from .plan import JobPlan
 from .procs import STARTING_STATES, STUCK_STATES
@@ -82,7 +91,9 @@ STUCK_ASK = 1.0  # seconds to ask the hosts which ranks are stopped
 
 def _failed(ev: Event) -> bool:
     """Stopped ranks, lost hosts and non-zero exits; a launcher (mpirun, srun) that exits 0
-    ended the job well."""
+    ended the job well. ``Superseded`` is no failure (the job moved on: nothing to blame)."""
+    if isinstance(ev, Superseded):
+        return False
     return not isinstance(ev, (RankExit, JobExit)) or ev.code != 0
 
 
@@ -153,6 +164,9 @@ def supervise(
             if isinstance(ev, StartFailed):  # the same program everywhere: nothing runs
                 _report_cannot_start(sink, ev.program, ev.reason)
                 outcome = Outcome(127)
+            elif isinstance(ev, Superseded):  # one ddlrun per node: the job moved on
+                sink.note(f"{ev.reason}: stopping this node's ranks")
+                outcome = Outcome(0, ev, tuple(sorted(remaining)))
             elif _failed(ev) and not fail_fast:
                 seen.append(ev)
             elif _failed(ev):
@@ -362,7 +376,11 @@ def _report_rank(plan: JobPlan, backend: Backend, sink: OutputSink, ev: RankExit
     else:
         sink.note(f"{where} failed: {ev.record.summary(backend.opts.cwd or os.getcwd())} "
                   f"({describe_code(ev.code)}); stopping the other ranks")
-        if ev.record.after_peer and not explained:
+        if ev.record.after_peer and not explained and plan.world_size > len(plan.ranks):
+            # one ddlrun per node: the others' ranks are not this ddlrun's to hear of
+            sink.note(f"rank {ev.rank} failed because another rank did, and no rank of this "
+                      "node reported a cause: look at the other nodes' ddlrun")
+        elif ev.record.after_peer and not explained:
             sink.note(f"rank {ev.rank} failed because another rank did, but no rank reported "
                       "a cause of its own (one that ran on without error, or was stopped?)")
     backend.wait_output(ev.rank, OUTPUT_DRAIN)

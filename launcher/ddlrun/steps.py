@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+import queue
 import re
 import secrets
 import shlex
@@ -486,9 +487,10 @@ def _failure_line(ev: RankExit, backend: Backend | None) -> str:
 
 
 def run_attempt(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink,
-                deadline: float | None) -> Outcome:
+                deadline: float | None, events: queue.Queue | None = None) -> Outcome:
     """One start of the job: logs, janitor, ``supervise``, this host's shared memory after;
-    ``deadline`` (``time.monotonic``) the end of --timeout, for every start together. The
+    ``deadline`` (``time.monotonic``) the end of --timeout, for every start together;
+    ``events``: the supervisor's channel, for a caller that adds its own (``Superseded``). The
     teardown is not cut short by a signal: one that comes then is raised after it."""
     if cfg.verbose:
         sink.note(describe(plan, cfg.options.cwd))
@@ -504,7 +506,7 @@ def run_attempt(cfg: Config, plan: JobPlan, backend: Backend, sink: OutputSink,
     janitor = Janitor.start(plan.job_id, indexes, secret)
     try:
         outcome = supervise(plan, backend, sink, cfg.timeout, cfg.options.grace,
-                            end_note=False, deadline=deadline)
+                            end_note=False, deadline=deadline, events=events)
     finally:
         with signals_deferred() as late:
             try:

@@ -442,10 +442,13 @@ def test_elastic_where_ddlrun_does_not_start_the_workers_is_refused(tmp_path, ar
                            f"--host-discovery-script) is not supported with {where} yet"), line
 
 
-def test_nnodes_as_a_range_is_refused(tmp_path):
+def test_nnodes_as_a_range_needs_the_rendezvous_endpoint(tmp_path):
+    # the range itself runs (tests/launcher/test_node_elastic.py): one ddlrun per node
     line = _refused(tmp_path, "--nnodes", "2:4")
-    assert line.startswith("ddlrun: error: --nnodes 2:4: a changing number of nodes "
-                           "(torchrun's elastic MIN:MAX) is not supported yet"), line
+    assert line == ("ddlrun: error: --nnodes without -H runs one ddlrun per node: give "
+                    "--rdzv-endpoint HOST[:PORT] or --master-addr, the same on every node "
+                    "(node 0's address; with --nnodes MIN:MAX or --max-restarts the node "
+                    "whose ddlrun serves the rendezvous)"), line
 
 
 # ---------------------------------------------------------------------------- not elastic

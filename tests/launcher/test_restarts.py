@@ -214,8 +214,6 @@ def test_a_bad_max_restarts_is_one_usage_line_and_starts_nothing(tmp_path, given
     ("--launcher ssh", ["-H", "node-a:2,node-b:2"]),
     ("--launcher mpirun", ["--launcher", "mpirun", "-n", "2"]),
     ("--launcher slurm", ["--launcher", "slurm", "-n", "2"]),
-    ("one ddlrun per node (--nnodes/--node-rank)",
-     ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]),
 ])
 def test_restarts_are_refused_where_they_are_not_supported_yet(tmp_path, where, args):
     made = tmp_path / "started"
@@ -223,7 +221,7 @@ def test_restarts_are_refused_where_they_are_not_supported_yet(tmp_path, where, 
     assert res.returncode == 2, res.stderr
     assert res.stderr.splitlines() == [
         f"ddlrun: error: --max-restarts 2: restarts are not supported with {where} yet, only "
-        "with the local launcher (one host); drop --max-restarts"]
+        "on one host or with one ddlrun per node (torchrun's way); drop --max-restarts"]
     assert not made.exists()
     # 0 is today's behaviour, accepted everywhere
     dry = run_ddlrun(*args, "--max-restarts", "0", "--dry-run", PY, "-c", "pass")
