@@ -52,10 +52,23 @@ class Latch:
     def wait(self, timeout: float | None = None) -> bool:
         if self._set:
             return True
-        if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
-            return False
-        self._lock.release()
+        try:
+            if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+                return False
+        except BaseException:
+            # Ctrl-C between the acquire and here: hand the lock on all the same, or the
+            # other threads waiting on this handle would wait forever
+            if self._set:
+                self._release()
+            raise
+        self._release()
         return True
+
+    def _release(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # not held (a KeyboardInterrupt came before the acquire)
+            pass
 
 
 def callers_waiting() -> bool:

@@ -90,6 +90,8 @@ def parse_endpoint(text: str) -> tuple[str, int | None]:
         host, port = text.split(":")
     if port is not None and not digits(port):
         raise UsageError(f"--rdzv-endpoint {text!r}: the port must be a number")
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {text!r}: the port is out of range 1-65535")
     return host.strip("[]"), int(port) if port is not None else None
 
 
@@ -141,6 +143,7 @@ def parse_nnodes(text: str | int | None) -> tuple[int, int] | None:
 RDZV_CONF = {"join_timeout": "join_timeout", "last_call_timeout": "last_call",
              "close_timeout": "close_timeout"}
 RDZV_PORT = 29400  # torchrun's c10d rendezvous port when --rdzv-endpoint names none
+MAX_RDZV_ID = 56  # room for '.r' and 6 digits of rounds (restarts and membership changes)
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, float]:
@@ -190,6 +193,10 @@ def parse_node_rendezvous(args: argparse.Namespace, nodes: tuple[int, int] | Non
         raise UsageError("--nnodes MIN:MAX / --max-restarts with one ddlrun per node: give "
                          "--rdzv-endpoint HOST[:PORT], the same on every node (the ddlrun "
                          "on HOST serves the rendezvous)")
+    if args.job_id is not None and len(args.job_id) > MAX_RDZV_ID:
+        raise UsageError(f"--rdzv-id {args.job_id!r}: at most {MAX_RDZV_ID} characters with "
+                         "--nnodes MIN:MAX or --max-restarts (each round's job id adds "
+                         "'.r<N>', and a job id has at most 64)")
     conf = parse_rdzv_conf(args.rdzv_conf)
     assert nodes is not None
     return NodeRendezvous(nodes[0], nodes[1], master_addr, master_port or RDZV_PORT, **conf)

@@ -35,6 +35,7 @@ from typing import Any
 
 STATE = "state"
 POLL = 0.1  # seconds between looks at the state while joining
+STALE = 2.0  # seconds without a heartbeat after which a joined or waiting node is gone
 
 
 class RendezvousClosed(Exception):
@@ -92,7 +93,13 @@ def join(store: Any, me: str, min_nodes: int, max_nodes: int, *, timeout: float,
     after ``timeout`` seconds without a round."""
     deadline = clock() + timeout
     min_seen: tuple[int, float] | None = None  # (round, when this node saw MIN joined)
+    beats: dict[str, tuple[int, float]] = {}  # node: (its beat count, when it last moved)
+    checked = -STALE
+    last_beat = -STALE
     while True:
+        if clock() - last_beat >= STALE / 8:
+            last_beat = clock()
+            beat(store, me)
         st = read(store)
         if st is None:
             if _swap(store, None, _fresh(0, 0, [me])):
@@ -112,6 +119,13 @@ def join(store: Any, me: str, min_nodes: int, max_nodes: int, *, timeout: float,
             if me not in st["waiting"]:
                 _swap(store, st, dict(st, waiting=[*st["waiting"], me]))
         elif st["phase"] == "joining" and me in nodes:
+            gone: list[str] = []
+            if clock() - checked >= STALE / 4:  # a look at each member's heartbeat
+                checked = clock()
+                gone = stale(store, [n for n in nodes if n != me], beats, clock)
+            if gone:  # joined, then died (killed while waiting): not a member
+                _swap(store, st, dict(st, nodes=[n for n in nodes if n not in gone]))
+                continue
             if len(nodes) >= min_nodes:
                 if min_seen is None or min_seen[0] != number:
                     min_seen = (number, clock())
@@ -138,6 +152,42 @@ def _ordered(st: dict[str, Any]) -> list[str]:
     prev, nodes = st.get("prev") or [], st["nodes"]
     return sorted(nodes, key=lambda n: (prev.index(n) if n in prev else len(prev),
                                         nodes.index(n)))
+
+
+def beat(store: Any, me: str) -> None:
+    """This node is alive: its beat counter moves while it joins or waits (no clock is
+    shared between hosts, so liveness is a counter that moves, not a time)."""
+    store.add(f"beat/{me}", 1)
+
+
+def stale(store: Any, nodes: list[str], beats: dict[str, tuple[int, float]],
+          clock: Callable[[], float]) -> list[str]:
+    """The ``nodes`` whose beat has not moved for ``STALE`` seconds of this node's clock
+    (``beats`` remembers what this node saw, between calls)."""
+    now, gone = clock(), []
+    for n in nodes:
+        count = store.add(f"beat/{n}", 0)
+        if n not in beats or beats[n][0] != count:
+            beats[n] = (count, now)
+        elif now - beats[n][1] >= STALE:
+            gone.append(n)
+    return gone
+
+
+def leave(store: Any, me: str) -> None:
+    """This node goes (its ddlrun stops): out of a round still joining, and out of the
+    waiting list, so that no round forms with it. A formed round's members find out by
+    their ranks' failure."""
+    while True:
+        st = read(store)
+        if st is None or st["phase"] == "closed":
+            return
+        nodes = st["nodes"] if st["phase"] == "formed" else [n for n in st["nodes"] if n != me]
+        waiting = [w for w in st["waiting"] if w != me]
+        if nodes == st["nodes"] and waiting == st["waiting"]:
+            return
+        if _swap(store, st, dict(st, nodes=nodes, waiting=waiting)):
+            return
 
 
 def next_round(store: Any, number: int, *, failed: bool, why: str = "") -> dict[str, Any]:
@@ -169,10 +219,14 @@ def close(store: Any, code: int, why: str, number: int | None = None) -> dict[st
             return new
 
 
-def watch(store: Any, rnd: Round, max_nodes: int) -> str | None:
+def watch(store: Any, rnd: Round, max_nodes: int,
+          beats: dict[str, tuple[int, float]] | None = None,
+          clock: Callable[[], float] = time.monotonic) -> str | None:
     """Why this node's round is over, or None while it runs: the round moved on, the job
-    was closed, or nodes wait to join while the round has room (this node then opens the
-    next round, as torchrun's agents do when ``num_nodes_waiting`` is above 0)."""
+    was closed, or live nodes wait to join while the round has room and no node has
+    finished (this node then opens the next round, as torchrun's agents do when
+    ``num_nodes_waiting`` is above 0). ``beats``: what this watcher saw of the waiting
+    nodes' heartbeats, between calls (a waiting node that died opens no round)."""
     st = read(store)
     if st is None:
         return "the rendezvous state is gone"
@@ -181,7 +235,18 @@ def watch(store: Any, rnd: Round, max_nodes: int) -> str | None:
     if st["round"] != rnd.number:
         return f"round {st['round']} began" + (f" ({st['why']})" if st.get("why") else "")
     if st["waiting"] and len(st["nodes"]) < max_nodes:
-        why = f"{len(st['waiting'])} node(s) waiting to join ({', '.join(st['waiting'])})"
+        if store.check([f"done/{rnd.number}"]):
+            return None  # a node has finished: the job ends as it is
+        alive = st["waiting"]
+        if beats is not None:  # only those whose heartbeat moved since this watcher saw them
+            alive = []
+            for w in st["waiting"]:
+                count = store.add(f"beat/{w}", 0)
+                if count > beats.setdefault(w, (count, clock()))[0]:
+                    alive.append(w)
+        if not alive:
+            return None
+        why = f"{len(alive)} node(s) waiting to join ({', '.join(alive)})"
         next_round(store, rnd.number, failed=False, why=why)
         return why
     return None

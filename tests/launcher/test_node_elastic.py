@@ -160,7 +160,8 @@ def test_a_node_lost_with_its_ddlrun_leaves_the_job_to_the_others(job, marker):
     b.proc.wait(10)
     assert a.wait(200) == 0, a.err
     assert a.done() == [f"done rank {r} of 2 restart 1 run {job} max 1" for r in (0, 1)]
-    assert "no other node acted within 15 s (a node lost with its ddlrun?)" in a.err
+    assert "because of a peer, and no node reported a cause within 15 s (a node lost with " \
+        "its ddlrun?); restart 1 of 1" in a.err, a.err
     assert_clean(job, marker, 1)
 
 
@@ -187,3 +188,21 @@ def test_bad_node_elastic_flags_are_one_usage_line(args, text):
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [f"ddlrun: error: {text}"]
 
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_nodes_ddlrun_stops_that_node_and_the_others_go_on(job, marker):
+    # preemption: the rendezvous stays open (torchrun's rule on a signal), the stopped node
+    # opens the next round for the others at once
+    port = free_port()
+    a = Node(job, port, marker, "1:2", 1, STEPS="100", SLOW="0.1")
+    time.sleep(0.5)
+    b = Node(job, port, marker, "1:2", 1, STEPS="100", SLOW="0.1")
+    b.wait_ready()
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait(60) == 143, b.err
+    assert a.wait(200) == 0, a.err
+    assert a.done() == [f"done rank {r} of 2 restart 1 run {job} max 1" for r in (0, 1)]
+    assert re.search(r"round 1 began \(node 1 \(\S+:\d+\) stopped \(exited with code 143\)\)",
+                     a.err), a.err
+    assert_clean(job, marker, 1)

@@ -27,6 +27,12 @@ class DictStore:
         with self.lock:
             return self.kv[key]
 
+    def add(self, key, n):
+        with self.lock:
+            v = int(self.kv.get(key, b"0")) + n
+            self.kv[key] = str(v).encode()
+            return v
+
     def compare_set(self, key, expected, desired):
         with self.lock:
             cur = self.kv.get(key)
@@ -146,3 +152,41 @@ def test_close_ends_every_join_and_the_first_close_is_kept():
     with pytest.raises(rdzv.RendezvousClosed) as exc:
         join(store, "b", 1, 2, clock)
     assert (exc.value.code, exc.value.why) == (3, "rank 3 failed")
+
+
+def test_a_node_that_died_while_joining_is_dropped_before_the_round_forms():
+    store, clock = DictStore(), Clock()
+    # "c" joined (one heartbeat) and died: its beat never moves again
+    rdzv.beat(store, "c")
+    rdzv._swap(store, None, rdzv._fresh(0, 0, ["c"]))
+    r = join(store, "a", 1, 3, clock, last_call=3.0)
+    assert r.nodes == ("a",) and r.node_rank == 0
+    assert clock() >= rdzv.STALE
+
+
+def test_a_leaving_node_is_out_of_a_joining_round_and_of_the_waiting_list():
+    store = DictStore()
+    rdzv._swap(store, None, rdzv._fresh(0, 0, ["a", "b"]))
+    rdzv.leave(store, "b")
+    assert rdzv.read(store)["nodes"] == ["a"]
+    st = rdzv.read(store)
+    rdzv._swap(store, st, dict(st, phase="formed", waiting=["c"]))
+    rdzv.leave(store, "c")
+    rdzv.leave(store, "a")  # a formed round's member stays (its ranks' failure tells)
+    assert rdzv.read(store)["nodes"] == ["a"] and rdzv.read(store)["waiting"] == []
+
+
+def test_the_watcher_opens_no_round_for_a_dead_waiting_node_nor_after_a_node_finished():
+    store, clock = DictStore(), Clock()
+    r = join(store, "a", 1, 2, clock)
+    st = rdzv.read(store)
+    rdzv._swap(store, st, dict(st, waiting=["b"]))
+    beats: dict = {}
+    assert rdzv.watch(store, r, 2, beats, clock) is None  # first look: not yet alive
+    assert rdzv.watch(store, r, 2, beats, clock) is None  # its beat did not move: dead
+    rdzv.beat(store, "b")
+    store.add("done/0", 1)
+    assert rdzv.watch(store, r, 2, beats, clock) is None  # a node has finished
+    del store.kv["done/0"]
+    assert rdzv.watch(store, r, 2, beats, clock) == "1 node(s) waiting to join (b)"
+    assert rdzv.read(store)["round"] == 1

@@ -48,9 +48,12 @@ class ProcessSet:
         return ddl.rank() in self._all()
 
     def __repr__(self) -> str:
-        if self.ranks is None:
-            return "ProcessSet(process_set_id=0, ranks=all)"
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        # Horovod's text (its tests compare it); the global set lists every rank once ddl
+        # is up, and there is no MPI communicator behind any set
+        ranks = self.ranks
+        if ranks is None:
+            ranks = list(range(ddl.size())) if ddl.is_initialized() else None
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks}, mpi_comm=None)"
 
 
 global_process_set = ProcessSet()
