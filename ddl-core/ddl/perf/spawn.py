@@ -28,6 +28,7 @@ from ddlrun.output import OutputSink
 from ddlrun.plan import JobPlan, Request, make_plan
 from ddlrun.preflight import pick_free_pair
 from ddlrun.run import TIMEOUT_EXIT, Outcome, supervise
+from ddlrun.shm import cleanup, job_secret
 
 
 @dataclass
@@ -110,7 +111,12 @@ def run_job(n: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None
     plan = local_plan(n, argv, job_id or new_job_id(), pick_free_pair(), env, per_rank_env)
     backend = LocalBackend(LaunchOptions(grace=grace))
     sink = _Capture()
-    outcome: Outcome = supervise(plan, backend, sink, timeout, grace, fail_fast=fail_fast)
+    try:
+        outcome: Outcome = supervise(plan, backend, sink, timeout, grace, fail_fast=fail_fast)
+    finally:
+        # a rank stopped while it made a segment (in init) leaves it: remove the job's own
+        secret = job_secret(plan.ranks[0].env_dict()) if plan.ranks else None
+        cleanup(plan.job_id, None, secret, note=lambda line: None)
     if outcome.code == TIMEOUT_EXIT and outcome.failure is None and outcome.still_running:
         raise TimeoutError(f"job {plan.job_id}: ranks {list(outcome.still_running)} still "
                            f"running after {timeout:.0f}s")
