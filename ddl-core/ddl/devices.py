@@ -30,6 +30,12 @@ class DeviceRouter:
         self._rendezvous = rendezvous
         self._engines: dict[str, devmod.DeviceEngine] = {}
         self.choice = config.get("DDL_DEVICE_ENGINE")
+        if self.choice == "nccl" and world.size > 1:
+            # insisting on NCCL where it cannot run is refused at init, on every rank, not
+            # at a first CUDA tensor that can never come
+            why = devmod.nccl_refusal()
+            if why:
+                raise DDLConfigError(f"DDL_DEVICE_ENGINE=nccl: {why}")
 
     # ---------------------------------------------------------------------- routing
     def backend_for(self, tensor: Any, op: ReduceOp | None = None) -> str | None:

@@ -184,8 +184,11 @@ def _engines(child: Mapping[str, Facts], torch: Facts, ddl_facts: Facts, shm: Fa
             out[name] = dict(child["torch"].get(name, {"ok": False, "error": "not probed"}))
     nccl = out["nccl"]
     if nccl["ok"] and not torch.get("cuda_available"):
-        # torch has NCCL but no GPU to run it on: not available now
-        out["nccl"] = {**nccl, "ok": False, "error": _no_cuda(torch)}
+        # torch has NCCL but no GPU to run it on: not available now, and the report still
+        # says which NCCL a GPU would get
+        out["nccl"] = {**nccl, "ok": False,
+                       "error": f"{_nccl_text(nccl)}, but {_no_cuda(torch)}"
+                       if nccl.get("version") else _no_cuda(torch)}
     elif not nccl["ok"] and not nccl.get("error"):
         nccl["error"] = (f"torch {torch['version']} has no NCCL"
                          if torch.get("cuda") or torch.get("hip") else _no_cuda(torch))
@@ -237,6 +240,17 @@ def gather(environ: Mapping[str, str] | None = None, timeout: float = PROBE_TIME
         "gpus": gpus,
         "shm": shm,
     }
+
+
+def _nccl_text(nccl: Facts) -> str:
+    """'NCCL 2.30.7 (<library>, loadable)': what torch's NCCL engine would load."""
+    text = f"NCCL {nccl['version']}"
+    where, error = nccl.get("library"), nccl.get("library_error")
+    if where and nccl.get("library_version"):
+        return f"{text} ({where}, loadable)"
+    if where or error:
+        return f"{text} ({f'{where}: ' if where else ''}{error})"
+    return text
 
 
 def _no_cuda(torch: Facts) -> str:
@@ -323,13 +337,19 @@ def _framework_detail(name: str, item: Facts) -> str:
             build = f"ROCm {item['hip']} build"
         elif item.get("cuda"):
             build = f"CUDA {item['cuda']} build"
+            if item.get("cudnn"):
+                build += f", cuDNN {item['cudnn']}"
         else:
             build = "CPU build"
         return f"{item['version']} ({build})"
     if name == "keras":
         return f"{item['version']} (backend: {item.get('backend')})"
     if name == "tensorflow" and item.get("cuda"):
-        return f"{item['version']} (CUDA build, {item.get('gpus', 0)} GPU(s))"
+        built = f"CUDA {item['cuda_version']} build" if item.get("cuda_version") \
+            else "CUDA build"
+        if item.get("cudnn_version"):
+            built += f", cuDNN {item['cudnn_version']}"
+        return f"{item['version']} ({built}, {item.get('gpus', 0)} GPU(s))"
     return str(item.get("version", ""))
 
 
@@ -337,10 +357,21 @@ def _engine_detail(name: str, item: Facts) -> str:
     if name == "shm":
         return "(ddl's shared memory, inside a host)"
     if name == "nccl" and item.get("version"):
-        return item["version"]
+        return _nccl_text(item).removeprefix("NCCL ")
     if name == "mpi":
         return f"({item['library']}, MPI {item['standard']}, mpi4py {item['mpi4py']})"
     return ""
+
+
+def _cuda_builds(facts: Facts) -> list[str]:
+    """The frameworks here that are CUDA builds (checked ones only)."""
+    frameworks = facts["frameworks"]
+    out = []
+    if frameworks["torch"]["ok"] and frameworks["torch"].get("cuda"):
+        out.append("PyTorch")
+    if frameworks["tensorflow"]["ok"] and frameworks["tensorflow"].get("cuda"):
+        out.append("TensorFlow")
+    return out
 
 
 def render(facts: Facts) -> str:
@@ -372,6 +403,12 @@ def render(facts: Facts) -> str:
                  f"{'-' if gpus.get('torch') is None else gpus['torch']}")
     for index, device in enumerate(gpus.get("devices", [])):
         lines.append(f"    {index}: {device}")
+    builds = _cuda_builds(facts)
+    if builds and not _requirement(facts, "gpu")["ok"]:
+        runs = "builds run" if len(builds) > 1 else "build runs"
+        lines.append(f"    No GPU is visible: the {' and '.join(builds)} CUDA {runs} on the "
+                     "CPU here (on GPU servers: docker run --gpus all, with the NVIDIA "
+                     "container toolkit)")
     shm = facts["shm"]
     lines += ["", "Shared Memory:"]
     if shm.get("size") is not None:

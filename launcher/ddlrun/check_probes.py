@@ -78,6 +78,11 @@ def _probe_torch() -> Facts:
         why = f"ddl does not import: {_reason(exc)}"
         out["gloo"] = out["nccl"] = {"ok": False, "error": why}
         return out
+    if cuda:
+        try:
+            out["torch"]["cudnn"] = _cudnn_text(torch.backends.cudnn.version())
+        except Exception as exc:
+            out["torch"]["cudnn_error"] = _reason(exc)
     out["gloo"] = {"ok": available("gloo")}
     nccl: Facts = {"ok": available("nccl")}
     if nccl["ok"]:
@@ -86,8 +91,43 @@ def _probe_torch() -> Facts:
             nccl["version"] = ".".join(map(str, got)) if isinstance(got, tuple) else str(got)
         except Exception as exc:
             nccl["version"], nccl["version_error"] = None, _reason(exc)
+        nccl.update(_nccl_library())
     out["nccl"] = nccl
     return out
+
+
+def _cudnn_text(code: int | None) -> str | None:
+    """cuDNN's version number (9.x: major*10000 + minor*100 + patch) as text."""
+    if not code:
+        return None
+    major, rest = divmod(int(code), 10000) if code >= 10000 else divmod(int(code), 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+def _nccl_library() -> Facts:
+    """The libnccl this process loaded (torch's CUDA build loads it at import), and whether
+    it answers ``ncclGetVersion`` itself: a file found and loadable, not only a version that
+    torch was built with."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "/libnccl" in line]
+    except OSError:
+        paths = []
+    if not paths:
+        return {"library": None, "library_error": "no libnccl loaded by torch"}
+    path = paths[0]
+    try:
+        code = ctypes.c_int()
+        if ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code)) != 0:
+            return {"library": path, "library_error": "ncclGetVersion failed"}
+    except OSError as exc:
+        return {"library": path, "library_error": f"not loadable: {exc}"[:_REASON_CHARS]}
+    major, rest = divmod(code.value, 10000)
+    minor, patch = divmod(rest, 100)
+    return {"library": path, "library_version": f"{major}.{minor}.{patch}"}
 
 
 def _probe_tensorflow() -> Facts:
@@ -101,6 +141,12 @@ def _probe_tensorflow() -> Facts:
             out["tensorflow"] = {"ok": True, "version": tf.__version__,
                                  "cuda": bool(tf.test.is_built_with_cuda()),
                                  "gpus": len(tf.config.list_physical_devices("GPU"))}
+            if out["tensorflow"]["cuda"]:
+                # the versions TensorFlow was built against; the ones loaded come from the
+                # nvidia-* wheels (ddlrun.components reads those)
+                info = tf.sysconfig.get_build_info()
+                out["tensorflow"]["cuda_version"] = info.get("cuda_version")
+                out["tensorflow"]["cudnn_version"] = info.get("cudnn_version")
     except Exception as exc:
         out["tensorflow"] = {"ok": False, "error": _reason(exc)}
     if importlib.util.find_spec("keras") is None:

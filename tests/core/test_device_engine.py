@@ -69,3 +69,22 @@ def test_nccl_every_collective_two_ranks():
 def test_nccl_two_dimensions():
     reps = _run(4, 2, "-mode n:2x2", device="cuda", DDL_DEVICE_ENGINE="nccl")
     assert reps[0]["device"] == "nccl: dim0 x2 nccl -> dim1 x2 nccl"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: NCCL can run")
+def test_nccl_insisted_on_without_a_gpu_is_refused_at_init_on_every_rank():
+    import subprocess
+    import sys
+
+    from ddl.engines.device import nccl_refusal
+
+    why = nccl_refusal()
+    expected = ("no CUDA GPU is visible" if torch.version.cuda else "is a CPU build")
+    assert why and expected in why, why
+    out = subprocess.run([sys.executable, "-m", "ddlrun", "-n", "2", sys.executable, "-c",
+                          "import ddl; ddl.init(); print('initialised')"],
+                         env={**__import__("os").environ, "DDL_DEVICE_ENGINE": "nccl"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0, out.stdout
+    assert "initialised" not in out.stdout
+    assert f"DDL_DEVICE_ENGINE=nccl: {why}" in out.stdout + out.stderr, out.stdout + out.stderr

@@ -1,6 +1,6 @@
 """``ddlrun --check-build``: the pure rendering and requirement check from facts dicts, the
 probes' handling of broken imports, and real runs of the installed ``ddlrun`` on this
-machine (torch 2.13.0 CPU, no GPU; TensorFlow where installed)."""
+machine (torch's CPU or CUDA build, no GPU; TensorFlow where installed)."""
 
 from __future__ import annotations
 
@@ -124,6 +124,45 @@ def test_render_a_gpu_host_names_builds_versions_and_devices():
     assert "    [X] slurm (/usr/bin/srun) in this allocation" in text
     assert section(text, "GPUs") == ["    [X] CUDA", "    nvidia-smi: 2; torch sees 2",
                                      "    0: NVIDIA H200", "    1: NVIDIA H200"]
+
+
+def test_render_a_cuda_build_without_a_gpu_says_what_a_gpu_would_get():
+    # a CUDA image on a machine (or a container started without --gpus)
+    facts = cpu_host()
+    facts["frameworks"]["torch"] = {"ok": True, "version": "2.15.0+cu132", "cuda": "13.2",
+                                    "hip": None, "cuda_available": False, "devices": [],
+                                    "cudnn": "9.26.0"}
+    facts["engines"]["nccl"] = {
+        "ok": False, "version": "2.30.7", "library": "/v/nvidia/nccl/lib/libnccl.so.2",
+        "library_version": "2.30.7",
+        "error": "NCCL 2.30.7 (/v/nvidia/nccl/lib/libnccl.so.2, loadable), but torch "
+                 "2.15.0+cu132 sees no CUDA device"}
+    facts["frameworks"]["tensorflow"] = {"ok": True, "version": "2.21.0", "cuda": True,
+                                         "gpus": 0, "cuda_version": "12.5.1",
+                                         "cudnn_version": "9"}
+    text = render(facts)
+    frameworks = section(text, "Available Frameworks")
+    assert "    [X] PyTorch 2.15.0+cu132 (CUDA 13.2 build, cuDNN 9.26.0)" in frameworks
+    assert "    [X] TensorFlow 2.21.0 (CUDA 12.5.1 build, cuDNN 9, 0 GPU(s))" in frameworks
+    assert ("    [ ] nccl: NCCL 2.30.7 (/v/nvidia/nccl/lib/libnccl.so.2, loadable), but torch "
+            "2.15.0+cu132 sees no CUDA device") in section(text, "Available Engines")
+    assert section(text, "GPUs")[-1] == (
+        "    No GPU is visible: the PyTorch and TensorFlow CUDA builds run on the CPU here (on "
+        "GPU servers: docker run --gpus all, with the NVIDIA container toolkit)")
+    # a CPU host says nothing of the kind
+    assert "No GPU is visible" not in render(cpu_host())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_torch_probe_finds_the_nccl_library_it_loaded():
+    facts = run_probe("torch")
+    nccl = facts["nccl"]
+    if not facts["torch"]["cuda"]:
+        assert "library" not in nccl  # a CPU build: no NCCL to look for
+        return
+    assert nccl["library"].endswith("libnccl.so.2") and Path(nccl["library"]).exists(), nccl
+    assert nccl["library_version"] == nccl["version"], nccl
+    assert facts["torch"]["cudnn"], facts["torch"]
 
 
 def test_render_a_broken_host_gives_every_reason_in_one_line():
@@ -264,6 +303,12 @@ def _ddlrun(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           cwd=str(REPO), env=env)
 
 
+# the real runs need torch (the dev extra's; its CPU build or PyPI's CUDA build)
+TORCH = pytest.importorskip("torch") if importlib.util.find_spec("torch") else None
+NO_CUDA = (f"torch {TORCH.__version__} sees no CUDA device" if TORCH and TORCH.version.cuda
+           else f"torch {TORCH.__version__ if TORCH else '-'} is a CPU build")
+
+
 @pytest.fixture(scope="module")
 def json_run() -> subprocess.CompletedProcess:
     return _ddlrun("--check-build", "--json", "--require", "nccl", "--require", "cuda,gloo")
@@ -275,8 +320,9 @@ def test_real_json_run_tells_this_machines_facts(json_run):
     assert facts["powerddl"]["version"] == metadata.version("powerddl")
     assert facts["powerddl"]["ddl"]["ok"] is True
     torch = facts["frameworks"]["torch"]
-    assert torch["ok"] and torch["version"] == metadata.version("torch") == "2.13.0+cpu"
-    assert torch["cuda"] is None and torch["cuda_available"] is False
+    assert torch["ok"] and torch["version"] == TORCH.__version__
+    assert torch["version"].startswith(metadata.version("torch").split("+")[0])
+    assert torch["cuda"] == TORCH.version.cuda and torch["cuda_available"] is False
     for name, installed in (("tensorflow", HAS_TF), ("keras", HAS_KERAS)):
         item = facts["frameworks"][name]
         assert item["ok"] is installed, item
@@ -290,7 +336,13 @@ def test_real_json_run_tells_this_machines_facts(json_run):
                                                                          "tensorflow")
     engines = facts["engines"]
     assert engines["shm"] == {"ok": True} and engines["gloo"] == {"ok": True}
-    assert engines["nccl"] == {"ok": False, "error": "torch 2.13.0+cpu is a CPU build"}
+    nccl = engines["nccl"]
+    if TORCH.version.cuda:  # PyPI's build: the NCCL it would load, and no GPU to run it on
+        assert nccl["ok"] is False and nccl["version"] == nccl["library_version"], nccl
+        assert nccl["error"] == (f"NCCL {nccl['version']} ({nccl['library']}, loadable), "
+                                 f"but {NO_CUDA}"), nccl
+    else:
+        assert nccl == {"ok": False, "error": NO_CUDA}
     if importlib.util.find_spec("mpi4py") is not None:
         from mpi4py import MPI
 
@@ -306,8 +358,7 @@ def test_real_json_run_tells_this_machines_facts(json_run):
     assert facts["required"] == ["nccl", "cuda", "gloo"]
     assert set(facts["missing"]) == {"nccl", "cuda"}
     assert json_run.stderr.strip().splitlines()[-1] == (
-        "ddlrun: --check-build: missing nccl (torch 2.13.0+cpu is a CPU build); "
-        "cuda (torch 2.13.0+cpu is a CPU build)")
+        f"ddlrun: --check-build: missing nccl ({nccl['error']}); cuda ({NO_CUDA})")
 
 
 def test_real_text_run_passes_what_is_present(json_run):
@@ -315,12 +366,13 @@ def test_real_text_run_passes_what_is_present(json_run):
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
     frameworks = section(out.stdout, "Available Frameworks")
-    assert frameworks[0] == "    [X] PyTorch 2.13.0+cpu (CPU build)"
+    build = (f"CUDA {TORCH.version.cuda} build, cuDNN " if TORCH.version.cuda else "CPU build")
+    assert frameworks[0].startswith(f"    [X] PyTorch {TORCH.__version__} ({build}")
     assert frameworks[1].startswith("    [X] TensorFlow " if HAS_TF else
                                     "    [ ] TensorFlow: tensorflow is not installed")
     engines = section(out.stdout, "Available Engines")
-    assert engines[:3] == ["    [X] shm (ddl's shared memory, inside a host)", "    [X] gloo",
-                           "    [ ] nccl: torch 2.13.0+cpu is a CPU build"]
+    assert engines[:2] == ["    [X] shm (ddl's shared memory, inside a host)", "    [X] gloo"]
+    assert engines[2].startswith("    [ ] nccl: ") and engines[2].endswith(NO_CUDA)
     # the text and the JSON are the same facts, but for /dev/shm's free space, which other
     # jobs on the machine change between the two runs
     def steady(text: str) -> str:

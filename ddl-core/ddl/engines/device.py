@@ -57,6 +57,23 @@ def available(backend: str) -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
+def nccl_refusal() -> str | None:
+    """Why the NCCL engine cannot run in this process (None: it can): no torch, a CPU
+    build, a build without NCCL, or no CUDA GPU visible (a CUDA build runs on the CPU)."""
+    try:
+        torch, dist = _torch()
+    except ImportError:
+        return "torch is not installed"
+    if not torch.version.cuda:
+        return f"torch {torch.__version__} is a CPU build"
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return f"torch {torch.__version__} has no NCCL"
+    if not torch.cuda.is_available():
+        return (f"no CUDA GPU is visible (torch {torch.__version__}, a CUDA "
+                f"{torch.version.cuda} build; torch.cuda.device_count() == 0)")
+    return None
+
+
 class DeviceGroup:
     """One torch process group (NCCL or Gloo) over a grid line, taking torch tensors."""
 

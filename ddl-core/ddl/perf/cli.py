@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and fit the cost model's latency and bandwidth.")
     calibrate.add_arguments(cal)
     _add_training(sub)
+    from . import gpu_check
+
+    g = sub.add_parser("gpu-check", help="prove the GPU path in one run: NCCL engine, busbw "
+                                         "next to torch's NCCL, DDP, ResNet-50 (a report)",
+                       description=plain(gpu_check.__doc__.split("\n\n")[0]))
+    gpu_check.add_arguments(g)
     e = sub.add_parser("env", help="list the environment variables ddl reads")
     e.add_argument("--markdown", action="store_true", help="as the table in docs/tuning.md")
     return p
@@ -322,6 +328,10 @@ def _main(argv: list[str] | None) -> int:
         from .scale import scale_main
 
         return scale_main(args)
+    if args.cmd == "gpu-check":
+        from .gpu_check import gpu_check_main
+
+        return gpu_check_main(args)
     if args.cmd == "plot":
         from .plot import plot_main
 
