@@ -30,14 +30,26 @@ By default all on one host: a single rank is lost, 3 -> 2 and 4 -> 3. On one hos
 peer is seen at once (its pid is gone), so the detection timeout of a lost remote host is
 not part of these numbers.
 
-``--hosts 2,3`` (needs root) measures instead the issue's 2x2 -> 1x2 and 3x2 -> 2x2, in
-place only: simulated hosts of 2 ranks each (network namespaces with sshd,
-tests/launcher/netns_cluster.py), ddlrun starting their workers over ssh through its agent;
-the last rank (on the last host) SIGKILLs its host's agent right after step 7, stamping the
-time just before, and the host's workers die with it. Same measure as above. Every "host"
-shares this machine's cores, so the times include that contention. ddlrun has no
-torchrun-style restart across hosts yet (``--max-restarts`` is one host only), so there is
-no restart to compare with.
+``--hosts 2,3`` (needs root) measures instead the issue's 2x2 -> 1x2 and 3x2 -> 2x2:
+simulated hosts of 2 ranks each (network namespaces with sshd,
+tests/launcher/netns_cluster.py); the last rank SIGKILLs its whole host right after step 7
+(its agent, every worker that agent started, itself), stamping the time just before. Three
+styles, alternating round by round:
+
+- ``in-place``: one ddlrun starts every host's workers over ssh through its agents
+  (``-H h1:2,h2:2 -np 4 --min-np 2``); the survivors go on in the same processes;
+- ``restart``: torchrun's shape with ddlrun, one ddlrun per host (``--nnodes 1:2
+  --nproc-per-node 2 --max-restarts 1 --rdzv-endpoint h1:PORT``); the surviving nodes stop
+  their workers, form the next round without the lost host and start new workers, which load
+  rank 0's checkpoint;
+- ``torchrun``: the same with PyTorch's own ``torchrun`` (``--rdzv-backend c10d``) and the
+  same script (ddl reads torchrun's environment).
+
+Both restarts use ``--rdzv-conf last_call_timeout=2`` (``--last-call``; the default, 30 s,
+would add 28 s to each); torchrun's rendezvous also waits until the lost node's heartbeats
+have lapsed. Same measure as above. Every "host" shares this machine's cores, so the times
+include that contention. The lost host's processes die with it, so their peers see closed
+connections at once: no detection timeout is included.
 """
 
 from __future__ import annotations
@@ -46,12 +58,15 @@ import argparse
 import glob
 import json
 import os
+import random
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +76,10 @@ WORKER = os.path.join(HERE, "elastic_worker.py")
 COMMIT = os.path.join(HERE, "elastic_commit.py")
 STEPS, EVERY, KILL_STEP = 10, 3, 7
 STYLES = ("in-place", "restart")
+HOST_STYLES = ("in-place", "restart", "torchrun")  # --hosts: restarts are one agent per node
 PER_HOST = 2  # ranks per simulated host (--hosts)
+IFACE = "ddl0"  # the simulated hosts' interface (tests/launcher/netns_cluster.py)
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -75,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="also write every sample to this file")
     parser.add_argument("--hosts", nargs="?", const="2,3", metavar="N,...",
                         help=f"instead: lose a whole host of N simulated hosts x {PER_HOST} "
-                             "ranks, in place (root; default 2,3)")
+                             "ranks, in place and by restarts (root; default 2,3)")
+    parser.add_argument("--last-call", type=float, default=2.0,
+                        help="--hosts restarts: the rendezvous' last_call_timeout (default 2)")
     return parser
 
 
@@ -88,17 +108,26 @@ class Case:
     ranks: int
     style: str
     hosts: int = 0
+    last_call: float = 2.0
 
     def lost(self) -> int:
         """Ranks lost: a host's, or one."""
         return PER_HOST if self.hosts else 1
 
+    def per_node(self) -> bool:
+        """One agent per host (torchrun's shape), not one ddlrun for the job."""
+        return bool(self.hosts) and self.style != "in-place"
+
     def launch(self) -> list[str]:
-        """ddlrun's flags for this style."""
+        """The launcher's flags for this style (a node's, in torchrun's shape)."""
         if self.style == "in-place":
             return ["-np", str(self.ranks), "--min-np", str(self.ranks - self.lost()),
                     "--max-np", str(self.ranks)]
-        return ["-n", str(self.ranks), "--max-restarts", "1"]
+        if not self.hosts:
+            return ["-n", str(self.ranks), "--max-restarts", "1"]
+        flags = ["--nnodes", f"{self.hosts - 1}:{self.hosts}", "--nproc-per-node",
+                 str(PER_HOST), "--max-restarts", "1"]
+        return [*flags, "--rdzv-backend", "c10d"] if self.style == "torchrun" else flags
 
     def worker_args(self, folder: str) -> list[str]:
         style = "inplace" if self.style == "in-place" else "restart"
@@ -109,6 +138,25 @@ class Case:
         if self.hosts:  # the last rank sits on the last host (ranks fill hosts in order)
             args += ["--kill-rank", str(self.ranks - 1), "--kill-agent"]
         return args
+
+    def node_argvs(self, folder: str, cluster: Any, port: int) -> list[list[str]]:
+        """Torchrun's shape: one agent per host of ``cluster``, each in its host's network
+        namespace, meeting at the first host's ``port``."""
+        rdzv = ["--rdzv-endpoint", f"{cluster.addrs[0]}:{port}", "--rdzv-id", f"er{port}"]
+        conf = f"last_call_timeout={self.last_call:g}"
+        out = []
+        for i, (ns, addr) in enumerate(zip(cluster.host_ns[:self.hosts], cluster.addrs,
+                                           strict=False)):
+            if self.style == "torchrun":
+                # torchrun finds the store's host by its hostname, which every simulated
+                # host shares: is_host (torch's documented c10d option) says which it is
+                agent = [TORCHRUN, *self.launch(), *rdzv, "--rdzv-conf",
+                         f"{conf},is_host={int(i == 0)}", "--local-addr", addr]
+            else:
+                agent = [sys.executable, "-m", "ddlrun", *self.launch(), *rdzv, "--rdzv-conf",
+                         conf, "--network-interface", IFACE, sys.executable]
+            out.append(["ip", "netns", "exec", ns, *agent, *self.worker_args(folder)])
+        return out
 
     def argv(self, folder: str, cluster: Any = None) -> list[str]:
         """The whole command, its stamps and checkpoint in ``folder``; across the hosts of
@@ -124,17 +172,26 @@ class Case:
     def shown(self) -> str:
         """The command as a user types it."""
         style = "inplace" if self.style == "in-place" else "restart"
+        kill = f"--kill-rank {self.ranks - 1} --kill-agent"
+        if self.per_node():
+            launcher = "torchrun" if self.style == "torchrun" else "ddlrun"
+            python = "" if self.style == "torchrun" else " python"
+            return (f"{launcher} {' '.join(self.launch())} --rdzv-endpoint h1:PORT "
+                    f"--rdzv-conf last_call_timeout={self.last_call:g}{python} "
+                    f"benchmarks/elastic_worker.py restart STAMPS --ckpt DIR {kill}"
+                    " (on each host)")
         if self.hosts:
             hosts = ",".join(f"h{i + 1}:{PER_HOST}" for i in range(self.hosts))
             return (f"ddlrun -H {hosts} {' '.join(self.launch())} python "
-                    f"benchmarks/elastic_worker.py {style} STAMPS "
-                    f"--kill-rank {self.ranks - 1} --kill-agent")
+                    f"benchmarks/elastic_worker.py {style} STAMPS {kill}")
         extra = " --ckpt DIR" if style == "restart" else ""
         return (f"ddlrun {' '.join(self.launch())} python benchmarks/elastic_worker.py "
                 f"{style} STAMPS --model numpy|torch{extra}")
 
     def world_after(self) -> int:
-        return self.ranks - self.lost() if self.style == "in-place" else self.ranks
+        """Ranks in the next world: a restart on one host starts them all again; across
+        hosts every style goes on without the lost host."""
+        return self.ranks - self.lost() if self.style == "in-place" or self.hosts else self.ranks
 
     def worlds(self) -> str:
         """The world sizes before and after, as ``hosts x ranks`` across hosts."""
@@ -170,23 +227,63 @@ def recovery(case: Case, stamps: list[list[dict]]) -> tuple[float, float | None]
     wrong = [s for s in lasts if s["step"] != STEPS or s["size"] != case.world_after()]
     if wrong:
         raise RuntimeError(f"{case}: the next world ended wrong: {wrong}")
-    started = min(starts) - kills[0] if case.style == "restart" else None
+    started = min(starts) - kills[0] if case.style != "in-place" else None
     return max(firsts) - kills[0], started
 
 
 def sample(case: Case, cluster: Any = None) -> tuple[float, float | None]:
     """One run of ``case``; its recovery times (``recovery``)."""
     folder = tempfile.mkdtemp(prefix="elastic_recovery.")
+    os.chmod(folder, 0o755)
     try:
-        proc = subprocess.run(case.argv(folder, cluster), capture_output=True, text=True,
-                              timeout=300,
-                              env={**os.environ, **ENV}, cwd=folder)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{case}: ddlrun exited {proc.returncode}:\n"
-                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+        if case.per_node():
+            run_nodes(case, folder, cluster)
+        else:
+            proc = subprocess.run(case.argv(folder, cluster), capture_output=True, text=True,
+                                  timeout=300,
+                                  env={**os.environ, **ENV}, cwd=folder)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{case}: ddlrun exited {proc.returncode}:\n"
+                                   f"{(proc.stdout + proc.stderr)[-3000:]}")
         return recovery(case, read_stamps(folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def nodes_ended_well(case: Case, codes: list[int]) -> bool:
+    """Every node's agent exited 0 but the lost host's, which died of SIGKILL."""
+    return (sorted(codes) == sorted([0] * (case.hosts - 1) + [-signal.SIGKILL]))
+
+
+def run_nodes(case: Case, folder: str, cluster: Any) -> None:
+    """One agent per simulated host, the first one (serving the rendezvous) a moment ahead
+    of the others, as a scheduler would start them."""
+    port = random.randrange(20000, 30000)
+    # the nodes share a secret as a scheduler's job would (ddlrun draws one only for a job
+    # it starts alone); torchrun's workers pick their interface as gloo users do
+    env = {**os.environ, **ENV, "GLOO_SOCKET_IFNAME": IFACE,
+           "DDL_JOB_SECRET": f"elastic-recovery-{port}"}
+    paths = [os.path.join(folder, f"node{i}.log") for i in range(case.hosts)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, argv in enumerate(case.node_argvs(folder, cluster, port)):
+            with open(paths[i], "w") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, cwd=folder, start_new_session=True))
+            if i == 0:
+                time.sleep(1.0)
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    if not nodes_ended_well(case, codes):
+        text = []
+        for i, path in enumerate(paths):
+            with open(path) as log:
+                text.append(f"--- node {i} exited {codes[i]}:\n{log.read()[-2000:]}")
+        raise RuntimeError(f"{case}: the nodes' agents exited {codes}\n" + "\n".join(text))
 
 
 def measure(cases: Sequence[Case], rounds: int,
@@ -259,8 +356,32 @@ def shown_command(argv: list[str] | None) -> str:
         sys.argv[1:] if argv is None else argv)).strip()
 
 
+def host_styles() -> tuple[str, ...]:
+    """The ``--hosts`` styles this venv can run (torchrun comes with torch)."""
+    return HOST_STYLES if os.access(TORCHRUN, os.X_OK) else HOST_STYLES[:2]
+
+
+def hosts_table(samples: dict[Case, list[tuple[float, float | None]]]) -> list[str]:
+    """The ``--hosts`` table: each restart beside the in-place recovery of its world."""
+    lines = ["| world | style | recovery (median) | / in place | new processes started "
+             "after (median) | samples (s) |", "|---|---|---|---|---|---|"]
+    for case, values in samples.items():
+        med = statistics.median(total for total, _ in values)
+        ratio = started = ""
+        if case.style != "in-place":
+            started = fmt(statistics.median(begun for _, begun in values if begun is not None))
+            inplace = [c for c in samples if c.hosts == case.hosts and c.style == "in-place"]
+            if inplace:
+                base = statistics.median(total for total, _ in samples[inplace[0]])
+                ratio = f"{med / base:.0f}x"
+        lines.append(f"| {case.worlds()} | {case.style} | {fmt(med)} | {ratio} | {started} | "
+                     f"{', '.join(f'{total:.3f}' for total, _ in values)} |")
+    return lines
+
+
 def across_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """``--hosts``: a whole simulated host lost, in place; the table and its notes."""
+    """``--hosts``: a whole simulated host lost, in place and by restarts; the table and
+    its notes."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "launcher"))
     from netns_cluster import Cluster, unavailable
 
@@ -272,7 +393,8 @@ def across_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
     if not counts or min(counts) < 2:
         print("elastic_recovery.py --hosts: every count must be 2 or more", file=sys.stderr)
         return 2
-    cases = [Case("numpy", n * PER_HOST, "in-place", hosts=n) for n in counts]
+    cases = [Case("numpy", n * PER_HOST, style, hosts=n, last_call=args.last_call)
+             for n in counts for style in host_styles()]
     with tempfile.TemporaryDirectory(prefix="elastic_hosts.") as tmp:
         from pathlib import Path
 
@@ -284,26 +406,22 @@ def across_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
             cluster.close()
     out = [f"`{shown_command(argv)}` ({os.cpu_count()} CPUs shared by every simulated host)",
            "",
-           f"Recovery across hosts: a host of {PER_HOST} ranks lost (its ddlrun agent "
-           f"SIGKILLed right after step {KILL_STEP}, its workers dying with it; last commit "
-           f"at step {KILL_STEP // EVERY * EVERY}) to the first step every rank of the next "
-           f"world has completed; numpy model, medians of {args.rounds}.", ""]
-    out += ["| world | style | recovery (median) | samples (s) |", "|---|---|---|---|"]
-    out += [f"| {case.worlds()} | {case.style} | "
-            f"{fmt(statistics.median(total for total, _ in values))} | "
-            f"{', '.join(f'{total:.3f}' for total, _ in values)} |"
-            for case, values in samples.items()]
+           f"Recovery across hosts: a host of {PER_HOST} ranks lost (its agent and workers "
+           f"SIGKILLed right after step {KILL_STEP}; last commit at step "
+           f"{KILL_STEP // EVERY * EVERY}) to the first step every rank of the next world "
+           f"has completed; numpy model, medians of {args.rounds}.", ""]
+    out += hosts_table(samples)
     out += ["", "Commands: " + "; ".join(f"`{case.shown()}`" for case in cases), "",
-            "No restart to compare with: ddlrun has no torchrun-style restart across hosts "
-            "yet (`--max-restarts` is one host only). Every simulated host shares this "
-            "machine's cores, so the times include that contention; the lost host's workers "
-            "die with their processes, so their peers see closed connections at once and no "
-            "detection timeout is included."]
+            f"Restarts with `last_call_timeout={args.last_call:g}`. Every simulated host "
+            "shares this machine's cores, so the times include that contention; the lost "
+            "host's processes die with it, so their peers see closed connections at once "
+            "and no detection timeout is included."]
     print("\n".join(out))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"recovery": [{"model": c.model, "ranks": c.ranks, "hosts": c.hosts,
-                                     "style": c.style, "samples": [t for t, _ in v]}
+                                     "style": c.style, "samples": [t for t, _ in v],
+                                     "started": [b for _, b in v]}
                                     for c, v in samples.items()]}, f, indent=1)
     return 0
 

@@ -17,12 +17,12 @@ allreduce and applies it. ``--model numpy``: the model is one float32 vector of
 
 Rank ``--kill-rank`` (default 1) of the first world SIGKILLs itself right after step
 ``--kill-step`` (0: no loss), having stamped the time just before; with ``--kill-agent`` it
-SIGKILLs its parent instead, the ddlrun agent of its host, which takes every worker of that
-host down with it (a whole host lost, as across ssh hosts). Every rank appends one JSON
-line per completed step to ``STAMPS.<pid>``: ``{"t", "world", "step", "size"}``; ``world``
-counts re-formed worlds (in-place) or restarts (``TORCHELASTIC_RESTART_COUNT``). The killed
-rank writes ``{"kill": t}``;
-every process first writes ``{"start": t}``, the time its script began.
+SIGKILLs its whole host instead: its parent (the host's ddlrun or torchrun agent), every
+other worker that agent started, then itself (a whole host lost, as across ssh hosts).
+Every rank appends one JSON line per completed step to ``STAMPS.<pid>``: ``{"t", "world",
+"step", "size"}``; ``world`` counts re-formed worlds (in-place) or restarts
+(``TORCHELASTIC_RESTART_COUNT``). The killed rank writes ``{"kill": t}``; every process
+first writes ``{"start": t}``, the time its script began.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill-step", type=int, default=7, help="0: no worker is lost")
     parser.add_argument("--kill-rank", type=int, default=1, help="the rank that is lost")
     parser.add_argument("--kill-agent", action="store_true",
-                        help="lose the rank's whole host: SIGKILL its ddlrun agent")
+                        help="lose the rank's whole host: SIGKILL its agent (ddlrun's or "
+                             "torchrun's) and every worker the agent started")
     parser.add_argument("--ckpt", help="checkpoint directory (restart style)")
     return parser
 
@@ -68,13 +69,36 @@ class Stamps:
 
 
 def die(stamps: Stamps, agent: bool = False) -> None:
-    """The loss being measured: stamp the time, then SIGKILL this process, or its parent,
-    the host's agent (this process then dies with it: the agent sets PR_SET_PDEATHSIG)."""
+    """The loss being measured: stamp the time, then SIGKILL this process, or its whole host:
+    its parent, the host's agent (ddlrun's or torchrun's), and every other worker that agent
+    started (torchrun's workers, in sessions of their own, would outlive their agent)."""
     stamps.write(kill=time.time())
     if agent:
-        os.kill(os.getppid(), signal.SIGKILL)
-        time.sleep(60)  # never stamps again: the agent's death ends this process
+        parent = os.getppid()
+        siblings = [pid for pid in children(parent) if pid != os.getpid()]
+        for pid in (parent, *siblings):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # the fourth field after the command's closing parenthesis is the ppid
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            out.append(int(entry))
+    return out
 
 
 def loses(args: argparse.Namespace, world: int, rank: int, step: int) -> bool:

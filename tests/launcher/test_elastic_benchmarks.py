@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +85,61 @@ def test_every_sign_of_a_lost_peer_is_a_false_alarm(tmp_path):
     assert fa.judge(1, init, str(tmp_path), 30) == ["DDLTimeoutError", "exit 1",
                                                    "in ddl.init()"]
     assert fa.judge(None, "", str(tmp_path), 30) == ["hung"]
+
+
+class FakeCluster:
+    host_ns = ["ns0", "ns1", "ns2"]
+    addrs = ["10.0.0.10", "10.0.0.11", "10.0.0.12"]
+
+
+def test_a_restart_across_hosts_is_one_agent_per_host_that_goes_on_without_the_lost_one():
+    for style in ("restart", "torchrun"):
+        case = er.Case("numpy", 6, style, hosts=3, last_call=2)
+        assert case.per_node() and case.world_after() == 4 and case.worlds() == "3x2 -> 2x2"
+        argvs = case.node_argvs("/x", FakeCluster(), 23456)
+        assert [a[:4] for a in argvs] == [["ip", "netns", "exec", ns] for ns in FakeCluster.host_ns]
+        for argv, addr in zip(argvs, FakeCluster.addrs, strict=True):
+            flags = " ".join(argv)
+            assert "--nnodes 2:3 --nproc-per-node 2 --max-restarts 1" in flags
+            assert "--rdzv-conf last_call_timeout=2" in flags
+            assert "--rdzv-endpoint 10.0.0.10:23456" in flags  # every node meets at host 0
+            if style == "torchrun":  # the store's host named: every host has one hostname
+                assert f"is_host={int(addr == FakeCluster.addrs[0])}" in flags
+            assert argv[-5:] == ["--ckpt", "/x", "--kill-rank", "5", "--kill-agent"]
+            assert "restart" in argv
+            assert ("--local-addr " + addr in flags) == (style == "torchrun")
+            assert ("--rdzv-backend c10d" in flags) == (style == "torchrun")
+        assert argvs[0][4].endswith("torchrun") == (style == "torchrun")
+    assert not er.Case("numpy", 4, "in-place", hosts=2).per_node()
+    assert not er.Case("numpy", 3, "restart").per_node()
+    assert er.Case("numpy", 3, "restart").world_after() == 3  # one host: all start again
+
+
+def test_the_nodes_ended_well_only_when_the_lost_host_alone_died_of_sigkill():
+    case = er.Case("numpy", 6, "restart", hosts=3)
+    assert er.nodes_ended_well(case, [0, -9, 0])
+    assert not er.nodes_ended_well(case, [0, 0, 0])  # nothing was lost
+    assert not er.nodes_ended_well(case, [0, -9, 1])  # a survivor failed
+    assert not er.nodes_ended_well(case, [-9, -9, 0])
+
+
+def test_the_hosts_table_puts_each_restart_beside_the_in_place_recovery_of_its_world():
+    cases = {er.Case("numpy", 4, style, hosts=2): values for style, values in (
+        ("in-place", [(0.1, None), (0.2, None), (0.3, None)]),
+        ("restart", [(4.0, 1.0), (4.2, 1.2), (3.8, 0.8)]),
+        ("torchrun", [(20.0, 15.0), (22.0, 16.0), (21.0, 15.5)]))}
+    rows = er.hosts_table(cases)[2:]
+    assert rows[0].startswith("| 2x2 -> 1x2 | in-place | 200.0 ms |  |  |")
+    assert rows[1].startswith("| 2x2 -> 1x2 | restart | 4.00 s | 20x | 1.00 s |")
+    assert rows[2].startswith("| 2x2 -> 1x2 | torchrun | 21.00 s | 105x | 15.50 s |")
+
+
+def test_a_lost_host_takes_the_agents_other_workers_with_it():
+    worker = load("elastic_worker")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert child.pid in worker.children(os.getpid())
+        assert os.getpid() not in worker.children(child.pid)
+    finally:
+        child.kill()
+        child.wait()
