@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes",
                    metavar="N", help="with -H/--hostfile: use the first N hosts; without: "
                    "one ddlrun per node, torchrun-style (with --node-rank, --master-addr); "
-                   "torchrun's MIN:MAX only as N:N")
+                   "torchrun's MIN:MAX: nodes meeting at --rdzv-endpoint (docs/elastic.md)")
     g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, metavar="K",
                    help="this node's index (0..nnodes-1) when one ddlrun runs per node")
     g.add_argument("--standalone", action="store_true",
