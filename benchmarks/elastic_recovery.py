@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -234,7 +234,6 @@ def recovery(case: Case, stamps: list[list[dict]]) -> tuple[float, float | None]
 def sample(case: Case, cluster: Any = None) -> tuple[float, float | None]:
     """One run of ``case``; its recovery times (``recovery``)."""
     folder = tempfile.mkdtemp(prefix="elastic_recovery.")
-    os.chmod(folder, 0o755)
     try:
         if case.per_node():
             run_nodes(case, folder, cluster)
@@ -319,18 +318,23 @@ def recovery_table(samples: dict[Case, list[tuple[float, float | None]]]) -> lis
     lines = ["| model | world | style | recovery (median) | restart / in-place "
              "| new processes started after (median) | samples (s) |",
              "|---|---|---|---|---|---|---|"]
-    for case, values in samples.items():
-        med = statistics.median(total for total, _ in values)
-        inplace = samples.get(Case(case.model, case.ranks, "in-place"))
-        ratio = started = ""
-        if case.style == "restart":
-            started = fmt(statistics.median(begun for _, begun in values if begun is not None))
-            if inplace:
-                ratio = f"{med / statistics.median(total for total, _ in inplace):.1f}x"
-        world = case.worlds()
-        lines.append(f"| {case.model} | {world} | {case.style} | {fmt(med)} | {ratio} | "
-                     f"{started} | {', '.join(f'{total:.3f}' for total, _ in values)} |")
-    return lines
+    return lines + [f"| {case.model} | {row(case, samples)}" for case in samples]
+
+
+def row(case: Case, samples: dict[Case, list[tuple[float, float | None]]]) -> str:
+    """A case's cells from its world on: the median, a restart's ratio to the in-place
+    recovery of the same world and the median start of its new processes, the samples."""
+    values = samples[case]
+    med = statistics.median(total for total, _ in values)
+    ratio = started = ""
+    if case.style != "in-place":
+        started = fmt(statistics.median(begun for _, begun in values if begun is not None))
+        inplace = samples.get(replace(case, style="in-place"))
+        if inplace:
+            times = med / statistics.median(total for total, _ in inplace)
+            ratio = f"{times:.1f}x" if times < 10 else f"{times:.0f}x"
+    return (f"{case.worlds()} | {case.style} | {fmt(med)} | {ratio} | {started} | "
+            f"{', '.join(f'{total:.3f}' for total, _ in values)} |")
 
 
 def commit_table(cost: dict) -> list[str]:
@@ -365,18 +369,7 @@ def hosts_table(samples: dict[Case, list[tuple[float, float | None]]]) -> list[s
     """The ``--hosts`` table: each restart beside the in-place recovery of its world."""
     lines = ["| world | style | recovery (median) | / in place | new processes started "
              "after (median) | samples (s) |", "|---|---|---|---|---|---|"]
-    for case, values in samples.items():
-        med = statistics.median(total for total, _ in values)
-        ratio = started = ""
-        if case.style != "in-place":
-            started = fmt(statistics.median(begun for _, begun in values if begun is not None))
-            inplace = [c for c in samples if c.hosts == case.hosts and c.style == "in-place"]
-            if inplace:
-                base = statistics.median(total for total, _ in samples[inplace[0]])
-                ratio = f"{med / base:.0f}x"
-        lines.append(f"| {case.worlds()} | {case.style} | {fmt(med)} | {ratio} | {started} | "
-                     f"{', '.join(f'{total:.3f}' for total, _ in values)} |")
-    return lines
+    return lines + [f"| {row(case, samples)}" for case in samples]
 
 
 def across_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
