@@ -5,6 +5,7 @@ Horovod's error types."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -72,6 +73,7 @@ def test_horovod_names_and_errors_on_two_ranks():
         assert report["failed"] == [], report["failed"][:10]
 
 
+@functools.cache
 def _graph_reports() -> list[dict]:
     return run_worker("tf_graph.py", env={"DDL_TIMEOUT": "30"})
 
@@ -83,6 +85,16 @@ def test_tf1_graph_collectives_carry_horovods_names_to_the_core():
         assert {"name/HorovodAllreduce_x_0", "name/tower/HorovodAllreduce_x_0", "name/given",
                 "name/tower/HorovodAllgather_y_0", "name/HorovodBroadcast_y_0",
                 "name/HorovodGroupedAllreduce_x_0_y_0", "name/mine"} <= set(report["checks"])
+
+
+def test_tf1_graph_mismatches_raise_horovods_failed_precondition_and_stay_in_step():
+    for report in _graph_reports():
+        errors = [c for c in report["failed"] if c[0].startswith("error")]
+        assert errors == [], errors
+        want = {"allreduce/shape", "allreduce/dtype", "allgather/rank", "broadcast/root",
+                "alltoall/dtype", "grouped/shape"}
+        assert {f"error/{w}" for w in want} | {f"error/{w}/after" for w in want} \
+            <= set(report["checks"])
 
 
 def test_tf1_graph_independent_allreduces_in_one_session_run():

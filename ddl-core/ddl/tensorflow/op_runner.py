@@ -9,6 +9,7 @@ reach the caller as Horovod's TensorFlow errors. The collectives themselves are 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ import tensorflow as tf
 import ddl
 from ddl import timeline as _tl
 from ddl.hvd.process_sets import scope
+
+_log = logging.getLogger("ddl.tensorflow")
 
 
 class Key:
@@ -90,26 +93,49 @@ def run_op(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DTy
 
     def call(*arrays: np.ndarray) -> list[np.ndarray]:
         try:
-            return [np.asarray(o) for o in fn(*arrays)]
+            return [np.asarray(o) for o in fn(*arrays)] + [np.int32(0)]
+        except ddl.DDLMismatchError as exc:
+            # a Python error leaves a graph op as InvalidArgument or Unknown only: the op
+            # reports the mismatch in its last output and the graph raises it as Horovod's
+            # FailedPreconditionError (_mismatch_raised); the message goes to this rank's log
+            _log.error("%s in %s: %s", type(exc).__name__, key.name or key.label, exc)
+            return [np.zeros(0, d.as_numpy_dtype) for d in touts] + [np.int32(1)]
         except ddl.DDLError as exc:
-            # TensorFlow keeps only the message of a ValueError (a mismatch arrives as
+            # TensorFlow keeps only the message of a ValueError (a refused call arrives as
             # InvalidArgumentError): it names ddl's error, so a script can tell them apart
             raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
 
-    outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
-                             name=key.op_name())
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if outs:
-        key.bind(outs[0].op)
-    return outs
+    *outs, mismatched = tf.numpy_function(call, list(inputs), [*touts, tf.int32],
+                                          stateful=True, name=key.op_name())
+    key.bind(mismatched.op)
+    return _mismatch_raised(outs, mismatched, mismatched.op.name)
+
+
+def _mismatch_raised(outs: list[tf.Tensor], mismatched: tf.Tensor,
+                     op_name: str) -> list[tf.Tensor]:
+    """``outs``, once the graph has checked ``mismatched``: when the ranks' calls differed it
+    raises ``tf.errors.FailedPreconditionError``, as Horovod's kernels do. No Python error
+    can carry that code out of a graph op, so the failing branch reads a resource variable
+    that does not exist, the one native op that fails with it; its message names the
+    collective and ddl's error (whose own message is in this rank's log)."""
+    def fail() -> tf.Tensor:
+        handle = tf.raw_ops.VarHandleOp(
+            dtype=tf.int32, shape=[], shared_name=(
+                f"DDLMismatchError in collective {op_name} (the ranks' calls differ: "
+                f"shapes, dtypes, ops or roots; ddl's message is in this rank's log)"))
+        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int32)
+
+    checked = tf.cond(tf.equal(mismatched, 0), lambda: tf.constant(0), fail)
+    with tf.control_dependencies([checked]):
+        return [tf.identity(o) for o in outs]
 
 
 class HorovodMismatchError(tf.errors.FailedPreconditionError, ddl.DDLMismatchError):
     """Ranks called a collective with different shapes, dtypes, ops or roots: raised
     eagerly where Horovod raises ``tf.errors.FailedPreconditionError``; it is a
     ``ddl.DDLMismatchError`` (a ``ddl.DDLError``) too. Inside a ``tf.function`` or a TF1
-    session TensorFlow turns a Python error raised by an op into its own error
-    (``tf.errors.InvalidArgumentError`` here), whose message carries ddl's."""
+    session the graph raises a plain ``tf.errors.FailedPreconditionError`` naming the
+    collective and ``DDLMismatchError``; ddl's message goes to the rank's log."""
 
     def __init__(self, message: str) -> None:
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)

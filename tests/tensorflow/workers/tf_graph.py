@@ -1,5 +1,6 @@
 """TF1 graph mode (tf.compat.v1 sessions): every collective is named as Horovod names it,
-and that name reaches the core; then 8 independent same-shape allreduces in one
+and that name reaches the core; calls that differ across ranks raise Horovod's
+FailedPreconditionError and the ranks stay in step; then 8 independent same-shape allreduces in one
 session.run, built in another order on each rank, checked against the right sums, 3
 times. One JSON report per rank."""
 
@@ -81,6 +82,34 @@ def independent(repeats=3):
                                "" if ok else str({i: got[i][0] for i in range(8)})))
 
 
+def errors():
+    """Calls that differ across ranks raise Horovod's FailedPreconditionError from
+    session.run on every rank, and the next call pairs again."""
+    g = tf.Graph()
+    with g.as_default():
+        cases = {
+            "allreduce/shape": hvd.allreduce(tf.ones([3 + R])),
+            "allreduce/dtype": hvd.allreduce(tf.ones([3], tf.float32 if R else tf.int32)),
+            "allgather/rank": hvd.allgather(tf.ones([2] + [2] * R)),
+            "broadcast/root": hvd.broadcast(tf.ones([2]), R),
+            "alltoall/dtype": hvd.alltoall(tf.ones([2 * N], tf.float32 if R else tf.int32)),
+            "grouped/shape": hvd.grouped_allreduce([tf.ones([2]), tf.ones([1 + R])])[1],
+        }
+        after = hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum)
+        with tf.compat.v1.Session(graph=g) as sess:
+            for label, op in cases.items():
+                try:
+                    sess.run(op)
+                    checks.append((f"error/{label}", N == 1, "no error"))
+                except tf.errors.FailedPreconditionError as exc:
+                    checks.append((f"error/{label}", "DDLMismatchError" in str(exc),
+                                   str(exc)[-300:]))
+                except Exception as exc:  # noqa: BLE001
+                    checks.append((f"error/{label}", False, f"{type(exc).__name__}: {exc}"))
+                got = sess.run(after)
+                checks.append((f"error/{label}/after", got[0] == sum(range(N)), str(got)))
+
+
 def report():
     print(json.dumps({"rank": R, "size": N, "checks": sorted(c[0] for c in checks),
                       "failed": [c for c in checks if not c[1]]}))
@@ -93,7 +122,7 @@ def watchdog():  # a session with too few threads waits forever: say so, do not 
     report()
 
 
-for label, fn in (("names", names), ("independent", independent)):
+for label, fn in (("names", names), ("errors", errors), ("independent", independent)):
     timer = threading.Timer(40.0, watchdog) if label == "independent" else None
     if timer:
         timer.start()
