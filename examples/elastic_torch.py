@@ -14,7 +14,8 @@ bytes of every parameter, so two runs can be compared bit for bit.
 
 To try a lost worker: ``--fail-worker localhost:1 --fail-at-batch 7`` makes the worker of
 that name (``host:slot``, ddlrun's ``DDL_ELASTIC_WORKER``) SIGKILL itself right after
-batch 7 of epoch 0.
+batch 7 of epoch 0; with ``--fail-host`` it SIGKILLs its host's ddlrun agent instead, and
+every worker of that host dies with it, as when the host is lost.
 
 ``--save-at-commit K PATH`` and ``--load PATH`` make the reference run a test compares
 with (tests/torch/test_elastic_example.py): the first run stops right after commit K and
@@ -29,6 +30,7 @@ import argparse
 import hashlib
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fail-worker", metavar="HOST:SLOT",
                    help="the worker that SIGKILLs itself (with --fail-at-batch)")
+    p.add_argument("--fail-host", action="store_true",
+                   help="it SIGKILLs its host's ddlrun agent (the whole host is lost)")
     p.add_argument("--fail-at-batch", type=int, metavar="N",
                    help="it does so right after batch N (counted from 1) of epoch 0")
     p.add_argument("--save-at-commit", nargs=2, metavar=("K", "PATH"),
@@ -66,6 +70,7 @@ class Plan:
     batches_per_commit: int
     batch_size: int
     fail_at: int | None  # this worker's batch to die at, if it is the one to fail
+    fail_host: bool  # then it takes its host's agent (and so every worker there) with it
     save_at: int | None
     save_path: str | None
 
@@ -117,6 +122,9 @@ def train(state: Any, loader: torch.utils.data.DataLoader, plan: Plan) -> bool:
             state.sampler.record_batch(idx, plan.batch_size)
             state.batch += 1
             if state.epoch == 0 and state.batch == plan.fail_at:
+                if plan.fail_host:  # the agent's death takes its workers down with it
+                    os.kill(os.getppid(), signal.SIGKILL)
+                    time.sleep(60)
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.batch % plan.batches_per_commit == 0:
                 state.commit()
@@ -163,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     me = os.environ.get("DDL_ELASTIC_WORKER")
     fail_at = args.fail_at_batch if args.fail_worker and args.fail_worker == me else None
     save_at = int(args.save_at_commit[0]) if args.save_at_commit else None
-    plan = Plan(args.epochs, args.batches_per_commit, args.batch_size, fail_at, save_at,
+    plan = Plan(args.epochs, args.batches_per_commit, args.batch_size, fail_at,
+                args.fail_host, save_at,
                 args.save_at_commit[1] if args.save_at_commit else None)
     finished = train(state, loader, plan)
     if hvd.rank() == 0:

@@ -41,6 +41,7 @@ from .hosts import (
 )
 from .placement import parse_rankfile
 from .plan_env import validate_env_name
+from .plan_options import fixed_grid
 from .plan_types import Request, attempt_job_id
 from .steps import FALLBACK_PORT
 
@@ -262,6 +263,25 @@ def parse_elastic(args: argparse.Namespace, launcher: str, per_node: bool, max_r
                    timeout=args.elastic_timeout if args.elastic_timeout is not None else 600.0,
                    reset_limit=args.reset_limit, cooldown=cooldown,
                    discovery_interval=args.discovery_interval)
+
+
+def _check_grid_fits(request: Request, elastic: Elastic | None,
+                     rendezvous: NodeRendezvous | None,
+                     env: Sequence[tuple[str, str | None]], environ: Mapping[str, str]) -> None:
+    """A mode with its own dimensions fixes the number of ranks: refused, before anything
+    starts, for a job whose world changes size (elastic, or --nnodes MIN:MAX), where ddlrun
+    fits the grid to each world and the mode letters keep their meaning."""
+    if elastic is None and (rendezvous is None
+                            or rendezvous.min_nodes == rendezvous.max_nodes):
+        return
+    inherited = dict(env).get(envs.DDL_OPTIONS) or environ.get(envs.DDL_OPTIONS)
+    spec = fixed_grid(request, inherited)
+    if spec is not None:
+        letters = spec.partition(":")[0]
+        how = "--min-np/--max-np" if elastic is not None else "--nnodes MIN:MAX"
+        raise UsageError(f"-mode {spec} fixes the grid, but the world of a job with {how} "
+                         f"changes size: give the mode letters only (--mode {letters}); "
+                         "ddlrun fits the grid to each world")
 
 
 def _same_host(a: str, b: str) -> bool:
@@ -505,6 +525,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str],
         nnodes=nnodes,
         node_rank=(args.node_rank or 0) if per_node else None,
     )
+    _check_grid_fits(request, elastic, rendezvous, env, environ)
     return Config(
         request=request,
         options=_launch_options(args),

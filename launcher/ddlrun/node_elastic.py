@@ -56,6 +56,7 @@ from .steps import JobInputs, new_job_id, run_attempt, sweep_at_start
 
 WATCH = 0.5  # seconds between the watcher's looks at the rendezvous while ranks run
 FOLLOW = 15.0  # seconds a node whose ranks failed because of a peer waits for a cause
+# while every member's heartbeat still moves (one that stops for node_rdzv.STALE is lost)
 EXIT_BARRIER = 300.0  # torchrun's: how long a finished node waits for the others
 MASTER_WAIT = 60.0  # seconds the other nodes wait for node 0 to say where ranks meet
 
@@ -191,6 +192,9 @@ class _Node:
         beats: dict[str, tuple[int, float]] = {}
         while not stop.wait(WATCH):
             try:
+                # this node beats while its ranks run, so that a node lost with its ddlrun
+                # (its host) is told from a slow one when a round fails (see follow)
+                rdzv.beat(self.store, self.me)
                 why = rdzv.watch(self.store, rnd, self.rz.max_nodes, beats)
             except Exception as exc:  # noqa: BLE001 - the store is gone; the ranks go on
                 self.sink.note(f"rendezvous: lost the store at {self.rz.host}:"
@@ -236,14 +240,14 @@ class _Node:
         line = (f"rank {failure.rank} on node {rnd.node_rank} ({self.me}) "
                 f"{describe_code(failure.code)}")
         if tier(failure.record, failure.code) != ROOT:
-            if self.follow(rnd):
+            unheard = self.follow(rnd)
+            if unheard is None:
                 return None  # the node that caused it moved the job on (follow says so)
             cause = self.cause(rnd)
             if cause is not None:
                 code, line = int(cause["code"]), str(cause["line"])
             else:
-                line = (f"{line} because of a peer, and no node reported a cause within "
-                        f"{FOLLOW:g} s (a node lost with its ddlrun?)")
+                line = f"{line} because of a peer, and {unheard}"
         return self.after_failure(rnd, code, line, deadline)
 
     def after_failure(self, rnd: rdzv.Round, code: int, line: str,
@@ -290,24 +294,39 @@ class _Node:
             pass
         return code
 
-    def follow(self, rnd: rdzv.Round) -> bool:
+    def follow(self, rnd: rdzv.Round) -> str | None:
         """This node's ranks failed because of a peer: wait for the node whose rank caused
-        it to move the job on (True) or close it (``RendezvousClosed``); False when it did
-        not. A node that published a cause is given its teardown (``--grace``) and more;
-        without one, ``FOLLOW`` seconds (its ddlrun may be gone with its host)."""
+        it to move the job on (None) or close it (``RendezvousClosed``); otherwise why this
+        node stops waiting. A node that published a cause is given its teardown
+        (``--grace``) and ``FOLLOW`` seconds more. Without a cause, a member whose heartbeat
+        stopped for ``STALE`` seconds is lost with its ddlrun (its host), and nobody else
+        will act; a member that still beats gets ``FOLLOW`` seconds."""
         start = time.monotonic()
+        others = [n for n in rnd.nodes if n != self.me]
+        beats: dict[str, tuple[int, float]] = {}
+        beaten = -rdzv.STALE
         while True:
+            if time.monotonic() - beaten >= rdzv.STALE / 8:
+                beaten = time.monotonic()
+                rdzv.beat(self.store, self.me)
             st = rdzv.read(self.store) or {}
             if st.get("phase") == "closed":
                 raise rdzv.RendezvousClosed(st.get("end") or {})
             if st.get("round") != rnd.number:
                 self._moved_on(st)
-                return True
+                return None
             limit = FOLLOW
             if self.store.check([f"cause/{rnd.number}"]):
                 limit += self.cfg.options.grace + FOLLOW
+            else:
+                lost = rdzv.stale(self.store, others, beats, time.monotonic)
+                if lost:
+                    return (f"node(s) {', '.join(lost)} of round {rnd.number} stopped beating "
+                            f"for {rdzv.STALE:g} s without reporting a cause (lost with "
+                            "their host?)")
             if time.monotonic() - start >= limit:
-                return False
+                return (f"no node reported a cause within {FOLLOW:g} s (a node lost with "
+                        "its ddlrun?)")
             time.sleep(0.1)
 
     def _moved_on(self, st: dict[str, Any]) -> None:
@@ -324,7 +343,11 @@ class _Node:
         try:
             done = self.store.add(f"done/{rnd.number}", 1)
             end = time.monotonic() + EXIT_BARRIER
+            beaten = time.monotonic()
             while done < rnd.nnodes and time.monotonic() < end:
+                if time.monotonic() - beaten >= rdzv.STALE / 8:  # finished, not lost
+                    beaten = time.monotonic()
+                    rdzv.beat(self.store, self.me)
                 st = rdzv.read(self.store) or {}
                 if st.get("phase") == "closed" or st.get("round") != rnd.number:
                     break

@@ -155,8 +155,9 @@ def _ordered(st: dict[str, Any]) -> list[str]:
 
 
 def beat(store: Any, me: str) -> None:
-    """This node is alive: its beat counter moves while it joins or waits (no clock is
-    shared between hosts, so liveness is a counter that moves, not a time)."""
+    """This node is alive: its beat counter moves while it joins or waits, while its ranks
+    run, while it waits on a failed round and at the exit barrier (no clock is shared
+    between hosts, so liveness is a counter that moves, not a time)."""
     store.add(f"beat/{me}", 1)
 
 

@@ -69,6 +69,23 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]],
     return " ".join(("-mode", spec, *extra))
 
 
+def fixed_grid(req: Request, inherited: str | None = None) -> str | None:
+    """The ``-mode`` with its own dimensions (``r:2x3``) that the job was given (--mode,
+    --ddloption or ``inherited`` DDL_OPTIONS), or None when ddlrun fits the grid: such a
+    mode fixes the number of ranks, which an elastic job's world changes."""
+    if req.no_ddloptions:
+        return None
+    if req.mode:
+        return req.mode if ":" in req.mode else None
+    for option in (*inherited_options(inherited, drop_mode=False), *req.ddloptions):
+        words = option.split()
+        if "-mode" in words[:-1]:
+            spec = words[words.index("-mode") + 1]
+            if ":" in spec:
+                return spec
+    return None
+
+
 def default_mode() -> str:
     """The mode letters when ``--mode`` gives none: the core's own default
     (``ddl.options.DEFAULT_MODE``, the one source), so a job under ddlrun and one started

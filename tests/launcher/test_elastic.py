@@ -101,22 +101,26 @@ def discovery(tmp_path: Path, *outputs: str) -> str:
 
 
 # ---------------------------------------------------------------------------- a lost worker
-@pytest.mark.parametrize("how,words", [
-    (["kill", "localhost:1", "7"], "was killed by SIGKILL"),
-    (["exit", "localhost:1", "7", "3"], "exited with code 3"),
-], ids=["sigkill", "exit-3"])
-def test_a_lost_worker_the_job_goes_on_from_the_last_commit(job, marker, how, words):
-    res = elastic(job, "-np", "3", "--min-np", "2", "--max-np", "3", PY, STEPS, "12", "3",
-                  *how, marker)
+@pytest.mark.parametrize("how,words,letters", [
+    (["kill", "localhost:1", "7"], "was killed by SIGKILL", "r"),
+    # the mode letters keep their meaning in the new world, the grid fits its size
+    (["exit", "localhost:1", "7", "3"], "exited with code 3", "b"),
+], ids=["sigkill", "exit-3-mode-b"])
+def test_a_lost_worker_the_job_goes_on_from_the_last_commit(job, marker, how, words,
+                                                            letters):
+    mode = ["--mode", letters] if letters != "r" else []
+    res = elastic(job, "-np", "3", "--min-np", "2", "--max-np", "3", *mode, PY, STEPS, "12",
+                  "3", *how, marker)
     assert res.returncode == 0, res.stdout + res.stderr
     # commits at steps 3 and 6; step 7 is lost with the worker and runs again in world 1
     check_result(res.stdout, 12, [3] * 6 + [2] * 6)
     assert notes(res.stderr) == [
-        "ddlrun: world 0 (start): 3 ranks on 1 host (localhost:3), DDL_OPTIONS '-mode r:3'",
+        f"ddlrun: world 0 (start): 3 ranks on 1 host (localhost:3), DDL_OPTIONS "
+        f"'-mode {letters}:3'",
         f"ddlrun: worker localhost:1 (rank 1 of world 0) failed ({words}); re-forming the "
         "world",
         "ddlrun: world 1 (a worker was lost): 2 ranks on 1 host (localhost:2), DDL_OPTIONS "
-        "'-mode r:2'",
+        f"'-mode {letters}:2'",
         "ddlrun: world 1 goes on from commit 2 (restored)",
     ], res.stderr
     assert_clean(job, marker, 1)
@@ -422,6 +426,17 @@ def test_a_discovery_script_that_hangs_is_killed(tmp_path, marker):
     (["--nnodes", "4:2"], "--nnodes 4:2: MIN 4 is greater than MAX 2"),
     (["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "5", "1"],
      "--blacklist-cooldown-range 5 1: need 1 <= MIN <= MAX <= 3600 seconds"),
+    # a grid of its own fixes the number of ranks, which an elastic world changes
+    (["-np", "3", "--min-np", "2", "--mode", "r:3"],
+     "-mode r:3 fixes the grid, but the world of a job with --min-np/--max-np changes size: "
+     "give the mode letters only (--mode r); ddlrun fits the grid to each world"),
+    (["-np", "3", "--max-np", "4", "--ddloption", "-mode b:3 -dbg 0"],
+     "-mode b:3 fixes the grid, but the world of a job with --min-np/--max-np changes size: "
+     "give the mode letters only (--mode b); ddlrun fits the grid to each world"),
+    (["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29999",
+      "-x", "DDL_OPTIONS=-mode r:2"],
+     "-mode r:2 fixes the grid, but the world of a job with --nnodes MIN:MAX changes size: "
+     "give the mode letters only (--mode r); ddlrun fits the grid to each world"),
     (["-np", "2", "--min-np", "1", "--max-restarts", "2"],
      "--max-restarts restarts every rank (torchrun's way); elastic flags re-form the world "
      "in place (Horovod's): give one or the other"),

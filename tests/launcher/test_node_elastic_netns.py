@@ -1,13 +1,15 @@
 """One ddlrun per node across hosts for real (torchrun's elastic shape): each node's ddlrun
 runs in a network namespace of its own, the first one serving the rendezvous on its
 address. A node is lost with its ddlrun (SIGKILL to its group, as when a host dies): the
-other two go on as a job of 4 ranks after one restart, with exact results (the worker
+other two tell it lost by its heartbeat and go on as a job of 4 ranks after one restart,
+with exact results (the worker
 checks every allreduce against the world size). Skipped only where namespaces cannot be
 made."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -53,4 +55,7 @@ def test_a_lost_node_leaves_the_job_to_the_nodes_on_other_hosts(cluster, marker)
                                    for r in range(4)]
     assert f"rendezvous: serving {host0}:29411" in a.err
     assert "round 1: 2 node(s)" in a.err and "round 1: 2 node(s)" in b.err
+    # told from a slow node by its heartbeat, not by waiting FOLLOW seconds for its report
+    assert re.search(rf"node\(s\) \S+:{c.proc.pid} of round 0 stopped beating for 2 s",
+                     a.err + b.err), a.err + b.err
     assert_clean(job, marker, 1)

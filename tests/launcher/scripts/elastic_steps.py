@@ -14,7 +14,8 @@ workers then die with it: the host is lost);
 it sleeps for 10 minutes there (a stuck worker: its peers' collectives time out); ``sleep T``:
 each step sleeps T seconds (room for discovery to change the hosts mid-run);
 ``mark M``: nothing but M on the command line (tests find the workers by it);
-``stamp P``: every rank appends one JSON line per step to P.<worker> (step, world size).
+``stamp P``: every rank appends one JSON line per step to P.<worker> (step, world size);
+the one that kills its agent writes the time it did to P.killed.
 Rank 0 prints ``RESULT {json}`` at the end: the value, steps, the sizes seen, resets.
 """
 
@@ -77,6 +78,9 @@ def train(state: elastic.ObjectState) -> np.ndarray:
         if hang and hang == (me, state.step):
             time.sleep(600)
         if killagent and killagent == (me, state.step):
+            if stamp:  # when the host was lost, on the clock the test reads too
+                with open(f"{stamp}.killed", "w") as f:
+                    f.write(repr(time.time()))
             os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(30)  # the agent's death takes this worker down (PR_SET_PDEATHSIG)
         if exit_at and exit_at[:2] == (me, state.step):
