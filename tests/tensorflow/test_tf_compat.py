@@ -40,7 +40,7 @@ EXPECTED = {
     "local_rank_op/eager", "local_rank_op/function", "local_size_op/eager",
     "local_size_op/function", "process_set_included_op/eager",
     "process_set_included_op/function", "process_set_included_op/unknown/eager",
-    "size_op/process_set", "process_set_included_op/process_set",
+    "size_op/process_set", "process_sets/ids_and_ranks", "process_set_included_op/process_set",
     "broadcast_/eager/variable", "broadcast_/eager/returned", "broadcast_/function/variable",
     "broadcast_/function/returned", "broadcast_/single", "broadcast_global_variables/eager",
     "broadcast_variables/function/keras", "broadcast_variables/function/tf.Variable",
@@ -103,3 +103,18 @@ def test_tf1_graph_independent_allreduces_in_one_session_run():
     for report in _graph_reports():
         assert {"independent/0", "independent/1", "independent/2"} <= set(report["checks"])
         assert report["failed"] == [], report["failed"][:4]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sync_batch_normalization_equals_one_batch_norm_over_every_ranks_rows(n):
+    """Uneven batches (rank r has r + 1 rows), eager and tf.function, 2-D, 4-D, masked:
+    output, input gradient and moving statistics as one BatchNormalization of all rows."""
+    for report in run_worker("tf_sync_bn.py", n=n):
+        assert report["failed"] == [], report["failed"][:6]
+        ran = set(report["checks"])
+        for how in ("eager", "function"):
+            for case in ("2d", "2d_axis1", "nhwc", "masked"):
+                assert {f"{case}/{how}/output/1", f"{case}/{how}/input_gradient/1",
+                        f"{case}/{how}/moving_mean", f"{case}/{how}/moving_variance",
+                        f"{case}/{how}/inference"} <= ran, sorted(ran)
+        assert {"fused=True", "fused=None", "name", "from_config"} <= ran

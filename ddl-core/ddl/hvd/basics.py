@@ -44,7 +44,13 @@ from .lifecycle import (
     rocm_built,
     shutdown,
 )
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .process_sets import (  # noqa: F401 - Horovod's tests read the private one
+    ProcessSet,
+    _get_process_set_ids_and_ranks,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -82,6 +82,12 @@ def by_id(process_set_id: int) -> ProcessSet | None:
     return _registry.sets.get(int(process_set_id))
 
 
+def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered set's id and ranks (the global set's: every rank), as Horovod's
+    ``mpi_ops._basics._get_process_set_ids_and_ranks()`` gives them (its tests read it)."""
+    return {i: ps._all() for i, ps in sorted(_registry.sets.items())}
+
+
 def scope(process_set: Any) -> ng._State:
     """The protocol state a call with ``process_set=`` runs in; raises on this rank when
     the set is unknown here or does not include it (its members alone call it)."""

@@ -53,6 +53,7 @@ from .mpi_ops import (
     reducescatter,
     size_op,
 )
+from .sync_batch_norm import SyncBatchNormalization
 
 # Before TensorFlow starts (a TF1 session sizes its thread pool when it is made, which may
 # be before hvd.init()): enough inter-op threads for a graph's collectives.
@@ -99,7 +100,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
 __all__ = [*_basics.__all__,
            "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
            "HorovodMismatchError",
-           "PartialDistributedGradientTape", "allgather", "elastic",
+           "PartialDistributedGradientTape", "SyncBatchNormalization", "allgather", "elastic",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
            "broadcast_global_variables", "broadcast_object", "broadcast_variables",
            "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "join",

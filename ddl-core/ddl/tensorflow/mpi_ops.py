@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import ddl
+from ddl.hvd import basics as _basics  # noqa: F401 - horovod's mpi_ops._basics
 from ddl.hvd import collectives as C
 from ddl.hvd import negotiate as ng
 from ddl.hvd.adasum import Adasum

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import ddl
+from ddl.hvd import basics as _basics  # noqa: F401 - horovod's mpi_ops._basics
 from ddl.hvd import collectives as C
 from ddl.hvd.arrays import TorchOps
 from ddl.hvd.collectives import submit_allreduce  # noqa: F401 - horovod.torch.mpi_ops name

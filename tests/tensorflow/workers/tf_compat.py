@@ -61,6 +61,9 @@ def ops_values():
         check(f"process_set_included_op/unknown/{mode}",
               run(lambda: hvd.process_set_included_op(99)).numpy(), -3)
     ps = hvd.add_process_set([0])
+    table = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
+    checks.append(("process_sets/ids_and_ranks",
+                   table == {0: list(range(N)), ps.process_set_id: [0]}, str(table)))
     check("size_op/process_set", hvd.size_op(ps.process_set_id).numpy(), 1)
     check("process_set_included_op/process_set",
           hvd.process_set_included_op(ps.process_set_id).numpy(), int(R == 0))

@@ -98,9 +98,16 @@ except hvd.DDLConfigError as exc:
     if "not in" not in str(exc):
         failed.append(f"outside message: {exc}")
 
+# Horovod's private table of the sets, which its tests read
+table = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
+if table != {0: list(range(N)), 1: even, 2: odd}:
+    failed.append(f"ids_and_ranks: {table}")
 # sets go with remove_process_set (collective), and with shutdown; init(process_sets=)
 check("remove", [hvd.remove_process_set(odd_set), hvd.remove_process_set(even_set)],
       [True, True])
+table = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
+if table != {0: list(range(N))}:
+    failed.append(f"ids_and_ranks after remove: {table}")
 check("remove_again", hvd.remove_process_set(even_set), False)
 check("removed_id", even_set.process_set_id is None, True)
 hvd.shutdown()
