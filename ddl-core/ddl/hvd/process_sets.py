@@ -11,6 +11,7 @@ inside a set are numbered in ascending job-rank order.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +64,19 @@ class _Registry:
     def __init__(self) -> None:
         self.sets: dict[int, ProcessSet] = {0: global_process_set}
         self.next_id = 1
+        self.free: collections.deque[int] = collections.deque()  # removed sets' ids
+
+    def new_id(self) -> int:
+        """The id the next set gets: a removed set's, the first removed first (Horovod's
+        ``ProcessSetTable`` reuses them so), else a new one; the same on every rank, since
+        every rank adds and removes sets in the same order."""
+        return self.free[0] if self.free else self.next_id
+
+    def take(self, set_id: int) -> None:
+        if self.free and self.free[0] == set_id:
+            self.free.popleft()
+        else:
+            self.next_id += 1
 
 
 _registry = _Registry()
@@ -130,13 +144,13 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                 raise ddl.DDLConfigError(
                     f"add_process_set: a process set with ranks {list(members)} exists "
                     f"already (id {other.process_set_id})")
-        set_id = _registry.next_id
+        set_id = _registry.new_id()
         call = ng.Call(ng.ADD_PROCESS_SET, arg=set_id, count=len(members),
                        layout=_members(list(members)))
 
         def data(r: np.ndarray) -> None:
             group = ddl.new_group(list(members))  # None on ranks outside the set
-            _registry.next_id += 1
+            _registry.take(set_id)
             ps.process_set_id = set_id
             _registry.sets[set_id] = ps
             if group is not None:
@@ -165,6 +179,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
             if st is not None:
                 ddl.destroy_group(st.group)
             del _registry.sets[set_id]
+            _registry.free.append(set_id)
             process_set.process_set_id, process_set._state = None, None
 
         return ng.Planned(call, data)

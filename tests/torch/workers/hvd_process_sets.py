@@ -108,6 +108,15 @@ check("remove", [hvd.remove_process_set(odd_set), hvd.remove_process_set(even_se
 table = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
 if table != {0: list(range(N))}:
     failed.append(f"ids_and_ranks after remove: {table}")
+# removed ids are given again, the first removed first, as Horovod's ProcessSetTable does
+again = [hvd.add_process_set([0]), hvd.add_process_set([N - 1]) if N > 1 else None]
+check("reused_ids", [again[0].process_set_id, again[1].process_set_id if N > 1 else 1],
+      [2, 1])
+check("reused_allreduce", hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum,
+                                        process_set=again[0]) if R == 0 else [1.0], [1.0])
+for ps in again:
+    if ps is not None:
+        hvd.remove_process_set(ps)
 check("remove_again", hvd.remove_process_set(even_set), False)
 check("removed_id", even_set.process_set_id is None, True)
 hvd.shutdown()
