@@ -140,7 +140,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         if ps.process_set_id is not None:
             raise ddl.DDLConfigError(f"add_process_set: {ps!r} is registered already")
         for other in _registry.sets.values():
-            if other.ranks == list(members):
+            if other._all() == list(members):
                 raise ddl.DDLConfigError(
                     f"add_process_set: a process set with ranks {list(members)} exists "
                     f"already (id {other.process_set_id})")

@@ -117,6 +117,12 @@ check("reused_allreduce", hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum,
 for ps in again:
     if ps is not None:
         hvd.remove_process_set(ps)
+try:  # every rank is the global set: a duplicate, as in Horovod
+    hvd.add_process_set(range(N))
+    failed.append("a set of every rank was accepted")
+except ValueError as exc:
+    if "exists already (id 0)" not in str(exc):
+        failed.append(f"duplicate of the global set: {exc}")
 check("remove_again", hvd.remove_process_set(even_set), False)
 check("removed_id", even_set.process_set_id is None, True)
 hvd.shutdown()
