@@ -33,3 +33,6 @@ def test_distributed_optimizer_reduces_sparse_gradients_as_horovod(n):
         assert rep["adam_modes"] == ["sparse"] and rep["adam_grad_sparse"] is True, rep
         assert rep["adam_same"] is True and rep["adam_trained"] is True, rep
         assert rep["adam_vs_reference"] is True, rep  # the concatenated batch, one process
+        # sparse_as_dense: reduced dense, handed back sparse (SparseAdam takes nothing else)
+        assert rep["dense_grad_sparse"] is True and rep["adam_dense_grad_sparse"] is True, rep
+        assert rep["adam_dense_vs_reference"] is True, rep

@@ -101,6 +101,9 @@ class _Step:
     # the dense rest or None
     sparse_parts: dict[int, tuple[dict[int, Any], Any]] = dataclasses.field(
         default_factory=dict)
+    # parameters whose sparse gradient went dense for the exchange (``sparse_as_dense``):
+    # made sparse again once reduced, as Horovod does, for optimizers that take only sparse
+    densified: set[int] = dataclasses.field(default_factory=set)
 
     @classmethod
     def start(cls, plan: Sequence[fusion.Bucket]) -> _Step:
@@ -308,6 +311,7 @@ class BucketExchange:
                     g = p.grad = torch.zeros_like(p)
                 elif g.is_sparse and self._sparse_as_dense:
                     g = p.grad = g.to_dense()
+                    self._step.densified.add(i)
                 grads.append(g)
         return grads
 
@@ -395,6 +399,10 @@ class BucketExchange:
         for b, h in enumerate(self._step.handles):
             h.wait()
             self._unpack(b)
+        with torch.no_grad():
+            for i in self._step.densified:
+                p = self._params[i]
+                p.grad = p.grad.to_sparse()
         self._steps += 1
 
     def end_step(self) -> None:

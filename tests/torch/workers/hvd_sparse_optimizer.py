@@ -88,12 +88,14 @@ class Bag(torch.nn.Module):
         return self.emb(idx).mean(dim=1) @ self.proj
 
 
-def sparse_adam(batches, wrap):
+def sparse_adam(batches, wrap, sparse_as_dense=False):
     torch.manual_seed(0)
     model = Bag()
     opt = torch.optim.SparseAdam(model.parameters(), lr=0.05)
     if wrap:
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        # sparse_as_dense: reduced dense, then made sparse again for SparseAdam, as Horovod
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       sparse_as_dense=sparse_as_dense)
     params = train(model, opt, batches, loss=torch.nn.functional.mse_loss)
     return params, (opt.exchange_modes if wrap else None), model.emb.weight.grad.is_sparse
 
@@ -113,11 +115,13 @@ def own(step):
 
 adam, adam_modes, adam_grad_sparse = sparse_adam([own(s) for s in range(STEPS)], True)
 adam_ref, _, _ = sparse_adam([concatenated(s) for s in range(STEPS)], False)
+adam_dense, _, adam_dense_grad_sparse = sparse_adam([own(s) for s in range(STEPS)], True,
+                                                    sparse_as_dense=True)
 torch.manual_seed(0)
 adam_init = [p.detach() for p in Bag().parameters()]
 
 sparse, modes, grad_sparse = distributed()
-dense, dense_modes, _ = distributed(sparse_as_dense=True)
+dense, dense_modes, dense_grad_sparse = distributed(sparse_as_dense=True)
 predivided, _, _ = distributed(predivide=2.0)
 ref = reference()
 torch.manual_seed(0)
@@ -134,6 +138,9 @@ report = {
     "adam_same": same_everywhere(adam),
     "adam_vs_reference": close(adam, adam_ref),
     "adam_trained": not torch.equal(adam[0], adam_init[0]),
+    "dense_grad_sparse": dense_grad_sparse,
+    "adam_dense_grad_sparse": adam_dense_grad_sparse,
+    "adam_dense_vs_reference": close(adam_dense, adam_ref),
 }
 print(json.dumps(report))
 hvd.shutdown()
