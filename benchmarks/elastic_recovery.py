@@ -285,15 +285,26 @@ def run_nodes(case: Case, folder: str, cluster: Any) -> None:
         raise RuntimeError(f"{case}: the nodes' agents exited {codes}\n" + "\n".join(text))
 
 
-def measure(cases: Sequence[Case], rounds: int,
-            cluster: Any = None) -> dict[Case, list[tuple[float, float | None]]]:
+def measure(cases: Sequence[Case], rounds: int, cluster: Any = None,
+            failures: dict[Case, list[str]] | None = None
+            ) -> dict[Case, list[tuple[float, float | None]]]:
     """``rounds`` samples of each case; in-place and restart alternate, and which goes
-    first swaps every round."""
+    first swaps every round. With ``failures``, a run that did not recover as it should
+    (the wrong world went on, an agent exited wrong) is noted there, and its case gets
+    another round, up to ``rounds`` more; without it, such a run stops the measurement."""
     samples: dict[Case, list[tuple[float, float | None]]] = {case: [] for case in cases}
-    for number in range(rounds):
+    for number in range(2 * rounds if failures is not None else rounds):
         order = cases if number % 2 == 0 else list(reversed(cases))
-        for case in order:
-            samples[case].append(sample(case, cluster))
+        for case in [c for c in order if len(samples[c]) < rounds]:
+            try:
+                samples[case].append(sample(case, cluster))
+            except RuntimeError as exc:
+                if failures is None:
+                    raise
+                failures.setdefault(case, []).append(str(exc).splitlines()[0])
+                print(f"# round {number + 1}: {case.model} {case.ranks} {case.style} "
+                      f"failed: {failures[case][-1]}", file=sys.stderr, flush=True)
+                continue
             print(f"# round {number + 1}: {case.model} {case.ranks} {case.style} "
                   f"{samples[case][-1][0]:.3f} s", file=sys.stderr, flush=True)
     return samples
@@ -325,6 +336,8 @@ def row(case: Case, samples: dict[Case, list[tuple[float, float | None]]]) -> st
     """A case's cells from its world on: the median, a restart's ratio to the in-place
     recovery of the same world and the median start of its new processes, the samples."""
     values = samples[case]
+    if not values:  # every run of it failed (measure's failures say why)
+        return f"{case.worlds()} | {case.style} | no run recovered | | | |"
     med = statistics.median(total for total, _ in values)
     ratio = started = ""
     if case.style != "in-place":
@@ -394,7 +407,8 @@ def across_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
         cluster = Cluster(Path(tmp), nhosts=max(counts))
         try:
             cluster.start()
-            samples = measure(cases, args.rounds, cluster)
+            failures: dict[Case, list[str]] = {}
+            samples = measure(cases, args.rounds, cluster, failures)
         finally:
             cluster.close()
     out = [f"`{shown_command(argv)}` ({os.cpu_count()} CPUs shared by every simulated host)",
@@ -404,6 +418,8 @@ def across_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
            f"{KILL_STEP // EVERY * EVERY}) to the first step every rank of the next world "
            f"has completed; numpy model, medians of {args.rounds}.", ""]
     out += hosts_table(samples)
+    out += [f"- {case.style}, {case.worlds()}: {len(why)} run(s) did not recover "
+            f"and were measured again ({'; '.join(why)})" for case, why in failures.items()]
     out += ["", "Commands: " + "; ".join(f"`{case.shown()}`" for case in cases), "",
             f"Restarts with `last_call_timeout={args.last_call:g}`. Every simulated host "
             "shares this machine's cores, so the times include that contention; the lost "

@@ -274,7 +274,10 @@ def _check_grid_fits(request: Request, elastic: Elastic | None,
     if elastic is None and (rendezvous is None
                             or rendezvous.min_nodes == rendezvous.max_nodes):
         return
-    inherited = dict(env).get(envs.DDL_OPTIONS) or environ.get(envs.DDL_OPTIONS)
+    given = dict(env)  # -x DDL_OPTIONS=... (None: this shell's), as the plan reads it
+    inherited = given.get(envs.DDL_OPTIONS)
+    if inherited is None:
+        inherited = environ.get(envs.DDL_OPTIONS)
     spec = fixed_grid(request, inherited)
     if spec is not None:
         letters = spec.partition(":")[0]

@@ -283,13 +283,19 @@ class _Node:
         """This node stops (a signal to ddlrun, its --timeout, a program that cannot start)
         but the job does not: the rendezvous stays open, as torchrun's, and while restarts
         are left this node opens the next round for the others at once (they would wait for
-        a cause otherwise); it counts as a failure, as the others' failing ranks would."""
+        a cause otherwise); it counts as a failure, as the others' failing ranks would. With
+        no restart left it ends the job with its own reason, which the others then give
+        (they would take it for a lost host otherwise)."""
         why = f"node {rnd.node_rank} ({self.me}) stopped ({describe_code(code)})"
         try:
             st = rdzv.read(self.store) or {}
-            if st.get("round") == rnd.number and st.get("phase") == "formed" and \
-                    int(st.get("failures", 0)) < self.cfg.max_restarts:
-                rdzv.next_round(self.store, rnd.number, failed=True, why=why)
+            if st.get("round") == rnd.number and st.get("phase") == "formed":
+                if int(st.get("failures", 0)) < self.cfg.max_restarts:
+                    rdzv.next_round(self.store, rnd.number, failed=True, why=why)
+                else:
+                    rdzv.close(self.store, exit_code(code),
+                               f"{why}; no restart left (--max-restarts "
+                               f"{self.cfg.max_restarts})", rnd.number)
         except Exception:  # noqa: BLE001, S110 - the store is gone: the others find out
             pass
         return code

@@ -70,20 +70,20 @@ def ddl_options(req: Request, placement: Sequence[tuple[int, int]],
 
 
 def fixed_grid(req: Request, inherited: str | None = None) -> str | None:
-    """The ``-mode`` with its own dimensions (``r:2x3``) that the job was given (--mode,
-    --ddloption or ``inherited`` DDL_OPTIONS), or None when ddlrun fits the grid: such a
-    mode fixes the number of ranks, which an elastic job's world changes."""
+    """The ``-mode`` with its own dimensions (``r:2x3``) that the ranks' DDL_OPTIONS would
+    end with (the core takes the last ``-mode``: --mode first, then ``inherited``
+    DDL_OPTIONS and --ddloption, as :func:`ddl_options` orders them), or None when ddlrun
+    fits the grid: such a mode fixes the number of ranks, which an elastic world changes."""
     if req.no_ddloptions:
         return None
-    if req.mode:
-        return req.mode if ":" in req.mode else None
-    for option in (*inherited_options(inherited, drop_mode=False), *req.ddloptions):
-        words = option.split()
-        if "-mode" in words[:-1]:
-            spec = words[words.index("-mode") + 1]
-            if ":" in spec:
-                return spec
-    return None
+    words = ["-mode", req.mode] if req.mode else []
+    for option in (*inherited_options(inherited, drop_mode=bool(req.mode)), *req.ddloptions):
+        words += option.split()
+    spec = None
+    for i, word in enumerate(words[:-1]):
+        if word == "-mode":
+            spec = words[i + 1]
+    return spec if spec is not None and ":" in spec else None
 
 
 def default_mode() -> str:

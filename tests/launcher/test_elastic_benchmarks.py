@@ -143,3 +143,32 @@ def test_a_lost_host_takes_the_agents_other_workers_with_it():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_run_that_did_not_recover_is_noted_and_measured_again(monkeypatch):
+    cases = [er.Case("numpy", 4, style, hosts=2) for style in ("in-place", "torchrun")]
+    runs = {"torchrun": iter([RuntimeError("2 ranks went on (expected 1 and 4)"),
+                              (16.0, 15.0), (17.0, 16.0)]),
+            "in-place": iter([(0.1, None), (0.2, None)])}
+
+    def fake(case, cluster=None):
+        got = next(runs[case.style])
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(er, "sample", fake)
+    failures: dict = {}
+    samples = er.measure(cases, 2, None, failures)
+    assert [len(samples[c]) for c in cases] == [2, 2]
+    assert failures == {cases[1]: ["2 ranks went on (expected 1 and 4)"]}
+    runs["torchrun"] = iter([RuntimeError("boom")])
+    with pytest.raises(RuntimeError, match="boom"):  # without a failures dict it stops
+        er.measure(cases[1:], 1)
+
+
+def test_a_case_with_no_run_that_recovered_is_a_row_that_says_so():
+    cases = [er.Case("numpy", 4, style, hosts=2) for style in ("in-place", "torchrun")]
+    table = er.hosts_table({cases[0]: [], cases[1]: [(16.0, 15.0)]})
+    assert table[2] == "| 2x2 -> 1x2 | in-place | no run recovered | | | |"
+    assert table[3].startswith("| 2x2 -> 1x2 | torchrun | 16.00 s |  | 15.00 s |")

@@ -163,3 +163,22 @@ def test_plan_validation():
     text = describe(plan_of(Request(PROG, hosts(("a", 1), ("b", 1)))))
     assert "host 1 b: ranks 1" in text and "[1] argv: python train.py" in text
     assert "DDL_HOST_INDEX=1" in text.split("[1] env:")[1]
+
+
+@pytest.mark.parametrize("mode,ddloptions,inherited,want", [
+    (None, (), None, None),
+    ("r", (), None, None),
+    ("r:2x3", (), None, "r:2x3"),
+    # the core takes the last -mode: --ddloption's comes after --mode's
+    ("r", ("-mode r:2x2",), None, "r:2x2"),
+    ("r:2x2", ("-mode b",), None, None),
+    # DDL_OPTIONS' -mode yields to --mode, and comes before --ddloption
+    ("r", (), "-mode b:4", None),
+    (None, ("-mode r",), "-mode r:2x2", None),
+    (None, (), "-dbg 0 -mode p:2x2", "p:2x2"),
+])
+def test_fixed_grid_is_the_last_mode_the_ranks_would_get(mode, ddloptions, inherited, want):
+    from ddlrun.plan_options import fixed_grid
+
+    req = Request(PROG, hosts(("a", 2)), nproc=2, mode=mode, ddloptions=ddloptions)
+    assert fixed_grid(req, inherited) == want

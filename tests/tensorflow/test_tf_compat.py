@@ -113,8 +113,9 @@ def test_sync_batch_normalization_equals_one_batch_norm_over_every_ranks_rows(n)
         assert report["failed"] == [], report["failed"][:6]
         ran = set(report["checks"])
         for how in ("eager", "function"):
+            assert f"offset/{how}/output" in ran
             for case in ("2d", "2d_axis1", "nhwc", "masked"):
                 assert {f"{case}/{how}/output/1", f"{case}/{how}/input_gradient/1",
                         f"{case}/{how}/moving_mean", f"{case}/{how}/moving_variance",
                         f"{case}/{how}/inference"} <= ran, sorted(ran)
-        assert {"fused=True", "fused=None", "name", "from_config"} <= ran
+        assert {"fused=True", "fused=None", "name", "two_in_one_model", "from_config"} <= ran

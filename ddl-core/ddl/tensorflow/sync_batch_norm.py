@@ -1,9 +1,10 @@
 """Horovod's ``hvd.SyncBatchNormalization`` for Keras 3 on TensorFlow: batch normalization
 whose training statistics cover the batch of every rank, as if one rank had the whole
-batch. Each rank's mean and mean of squares are summed over the ranks weighted by its
-element count (Horovod weights every rank the same, which is the same thing when the
-ranks' batches are equal, and wrong when they are not), so uneven last batches are right
-too. The gradient flows through the sum (an allreduce), so it is the whole batch's.
+batch. The group mean is the ranks' means weighted by their element counts (Horovod
+weights every rank the same: the same when the ranks' batches are equal, wrong when they
+are not), and the variance is the ranks' squared deviations from it, summed (two small
+allreduces; Horovod's one-pass E[x^2] - E[x]^2 loses the variance of data with a large
+mean in float32). The gradient flows through the sums, so it is the whole batch's.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def __init__(self, fused: bool | None = False, **kwargs: Any) -> None:
         if fused in (True, None):
             raise ValueError("SyncBatchNormalization does not support fused=True.")
-        if not kwargs.get("name"):
-            kwargs["name"] = "sync_batch_normalization"
+        # no fixed default name (Horovod gives one): Keras names the layers of one model
+        # sync_batch_normalization, sync_batch_normalization_1, ...
         super().__init__(**kwargs)
 
     def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
@@ -44,16 +45,15 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             count = tf.reduce_sum(tf.cast(mask, dtype))
         mean = tf.reshape(mean, [-1])
         variance = tf.reshape(variance, [-1])
-        local = tf.concat([count * mean, count * (variance + tf.square(mean)),
-                           tf.reshape(count, [1])], axis=0)
-        total = allreduce(local, op=Sum)
-        channels = tf.shape(mean)[0]
+        # Two passes over the ranks, as Keras's own moments take two over the batch: the
+        # group mean first, then each rank's squared deviations from it (its own variance
+        # plus its mean's offset, Chan's formula), so a large mean costs no precision.
+        total = allreduce(tf.concat([count * mean, tf.reshape(count, [1])], axis=0), op=Sum)
         n = total[-1]
-        group_mean = total[:channels] / n
-        group_variance = tf.maximum(total[channels:2 * channels] / n - tf.square(group_mean),
-                                    0.0)
+        group_mean = total[:-1] / n
+        spread = allreduce(count * (variance + tf.square(mean - group_mean)), op=Sum)
         return (tf.reshape(group_mean, shape_of_mean),
-                tf.reshape(group_variance, shape_of_mean))
+                tf.reshape(spread / n, shape_of_mean))
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "fused": False}

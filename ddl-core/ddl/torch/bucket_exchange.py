@@ -103,7 +103,7 @@ class _Step:
         default_factory=dict)
     # parameters whose sparse gradient went dense for the exchange (``sparse_as_dense``):
     # made sparse again once reduced, as Horovod does, for optimizers that take only sparse
-    densified: set[int] = dataclasses.field(default_factory=set)
+    densified: dict[int, int] = dataclasses.field(default_factory=dict)  # -> sparse_dim
 
     @classmethod
     def start(cls, plan: Sequence[fusion.Bucket]) -> _Step:
@@ -310,8 +310,8 @@ class BucketExchange:
                     # so the peers' collective still matches.
                     g = p.grad = torch.zeros_like(p)
                 elif g.is_sparse and self._sparse_as_dense:
+                    self._step.densified[i] = g.sparse_dim()
                     g = p.grad = g.to_dense()
-                    self._step.densified.add(i)
                 grads.append(g)
         return grads
 
@@ -400,9 +400,9 @@ class BucketExchange:
             h.wait()
             self._unpack(b)
         with torch.no_grad():
-            for i in self._step.densified:
-                p = self._params[i]
-                p.grad = p.grad.to_sparse()
+            for i, sparse_dim in self._step.densified.items():
+                p = self._params[i]  # the gradient's own layout (an embedding's: rows)
+                p.grad = p.grad.to_sparse(sparse_dim)
         self._steps += 1
 
     def end_step(self) -> None:

@@ -28,11 +28,12 @@ def check(name, got, want, tol=1e-5):
                    f"{want.ravel()[:6]} shapes {got.shape} {want.shape}"))
 
 
-def rows(shape_tail, seed):
+def rows(shape_tail, seed, loc=2.0):
     """Every rank's rows (rank r has r + 1) and where this rank's start."""
     rng = np.random.default_rng(seed)
     counts = [r + 1 for r in range(N)]
-    full = rng.normal(2.0, 3.0, size=(sum(counts), *shape_tail)).astype(np.float32)
+    scale = 3.0 if loc < 100 else 0.1
+    full = rng.normal(loc, scale, size=(sum(counts), *shape_tail)).astype(np.float32)
     start = sum(counts[:R])
     return full, start, start + counts[R]
 
@@ -70,6 +71,20 @@ def run(label, shape_tail, axis, wrap, mask=False):
           bn(tf.constant(full), training=False).numpy()[lo:hi])
 
 
+def offset(how, wrap):
+    """A large mean and a small spread (100 +- 0.1): E[x^2] - E[x]^2 in float32 loses about
+    a tenth of the variance there; checked against float64 numpy over every rank's rows."""
+    full, lo, hi = rows((8, 3), seed=11, loc=100.0)
+    sync = hvd.SyncBatchNormalization(epsilon=1e-6)
+    sync.build((hi - lo, 8, 3))
+    call = (tf.function(lambda x: sync(x, training=True)) if wrap
+            else (lambda x: sync(x, training=True)))
+    got = call(tf.constant(full[lo:hi])).numpy()
+    x = full.astype(np.float64)
+    want = (x - x.mean(axis=(0, 1))) / np.sqrt(x.var(axis=(0, 1)) + 1e-6)
+    check(f"offset/{how}/output", got, want[lo:hi], tol=2e-3)
+
+
 def cases():
     for wrap in (False, True):
         how = "function" if wrap else "eager"
@@ -77,6 +92,7 @@ def cases():
         run(f"2d_axis1/{how}", (2,), 1, wrap)
         run(f"nhwc/{how}", (4, 5, 3), -1, wrap)
         run(f"masked/{how}", (6, 3), -1, wrap, mask=True)
+        offset(how, wrap)
 
 
 def arguments():
@@ -89,6 +105,10 @@ def arguments():
                            str(exc)))
     layer = hvd.SyncBatchNormalization(fused=False, axis=1)
     checks.append(("name", layer.name.startswith("sync_batch_normalization"), layer.name))
+    two = keras.Sequential([keras.Input((4,)), hvd.SyncBatchNormalization(),
+                            keras.layers.Dense(4), hvd.SyncBatchNormalization()])
+    names = [x.name for x in two.layers if isinstance(x, hvd.SyncBatchNormalization)]
+    checks.append(("two_in_one_model", len(set(names)) == 2, str(names)))
     again = hvd.SyncBatchNormalization.from_config(layer.get_config())
     checks.append(("from_config", again.axis == layer.axis, str(again.get_config())[:200]))
 

@@ -97,7 +97,10 @@ def sparse_adam(batches, wrap, sparse_as_dense=False):
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        sparse_as_dense=sparse_as_dense)
     params = train(model, opt, batches, loss=torch.nn.functional.mse_loss)
-    return params, (opt.exchange_modes if wrap else None), model.emb.weight.grad.is_sparse
+    grad = model.emb.weight.grad
+    # an embedding's sparse gradient is row-wise (sparse_dim 1); so is it after the exchange
+    return params, (opt.exchange_modes if wrap else None), grad.is_sparse and \
+        grad.sparse_dim() == 1
 
 
 def regression(x, y):
