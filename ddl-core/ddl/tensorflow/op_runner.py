@@ -91,20 +91,31 @@ def run_op(fn: Callable[..., Any], inputs: Sequence[Any], touts: Sequence[tf.DTy
                 return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
             return _staged(fn, inputs, touts, key.label, device)
 
+    # a TF1 graph (session): a mismatch is Horovod's FailedPreconditionError, as its tests
+    # check; in a tf.function, ddl's own message (which rank called what) is kept instead
+    in_session = _graph_mode()
+
     def call(*arrays: np.ndarray) -> list[np.ndarray]:
         try:
-            return [np.asarray(o) for o in fn(*arrays)] + [np.int32(0)]
+            outs = [np.asarray(o) for o in fn(*arrays)]
+            return outs + [np.int32(0)] if in_session else outs
         except ddl.DDLMismatchError as exc:
+            if not in_session:
+                raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
             # a Python error leaves a graph op as InvalidArgument or Unknown only: the op
             # reports the mismatch in its last output and the graph raises it as Horovod's
             # FailedPreconditionError (_mismatch_raised); the message goes to this rank's log
             _log.error("%s in %s: %s", type(exc).__name__, key.name or key.label, exc)
             return [np.zeros(0, d.as_numpy_dtype) for d in touts] + [np.int32(1)]
         except ddl.DDLError as exc:
-            # TensorFlow keeps only the message of a ValueError (a refused call arrives as
-            # InvalidArgumentError): it names ddl's error, so a script can tell them apart
+            # TensorFlow keeps only the message of a ValueError (a mismatch or a refused call
+            # arrives as InvalidArgumentError): it names ddl's error, so a script can tell
             raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
 
+    if not in_session:
+        outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
+                                 name=key.op_name())
+        return list(outs) if isinstance(outs, (list, tuple)) else [outs]
     *outs, mismatched = tf.numpy_function(call, list(inputs), [*touts, tf.int32],
                                           stateful=True, name=key.op_name())
     key.bind(mismatched.op)
@@ -133,9 +144,11 @@ def _mismatch_raised(outs: list[tf.Tensor], mismatched: tf.Tensor,
 class HorovodMismatchError(tf.errors.FailedPreconditionError, ddl.DDLMismatchError):
     """Ranks called a collective with different shapes, dtypes, ops or roots: raised
     eagerly where Horovod raises ``tf.errors.FailedPreconditionError``; it is a
-    ``ddl.DDLMismatchError`` (a ``ddl.DDLError``) too. Inside a ``tf.function`` or a TF1
-    session the graph raises a plain ``tf.errors.FailedPreconditionError`` naming the
-    collective and ``DDLMismatchError``; ddl's message goes to the rank's log."""
+    ``ddl.DDLMismatchError`` (a ``ddl.DDLError``) too. In a TF1 session the graph raises a
+    plain ``tf.errors.FailedPreconditionError`` naming the collective and
+    ``DDLMismatchError`` (ddl's message goes to the rank's log); inside a ``tf.function``
+    TensorFlow turns ddl's error into ``tf.errors.InvalidArgumentError``, whose message
+    carries ddl's."""
 
     def __init__(self, message: str) -> None:
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
