@@ -312,9 +312,7 @@ class _Node:
         beats: dict[str, tuple[int, float]] = {}
         beaten = -rdzv.STALE
         while True:
-            if time.monotonic() - beaten >= rdzv.STALE / 8:
-                beaten = time.monotonic()
-                rdzv.beat(self.store, self.me)
+            beaten = rdzv.beat_if_due(self.store, self.me, beaten)
             st = rdzv.read(self.store) or {}
             if st.get("phase") == "closed":
                 raise rdzv.RendezvousClosed(st.get("end") or {})
@@ -351,9 +349,7 @@ class _Node:
             end = time.monotonic() + EXIT_BARRIER
             beaten = time.monotonic()
             while done < rnd.nnodes and time.monotonic() < end:
-                if time.monotonic() - beaten >= rdzv.STALE / 8:  # finished, not lost
-                    beaten = time.monotonic()
-                    rdzv.beat(self.store, self.me)
+                beaten = rdzv.beat_if_due(self.store, self.me, beaten)  # done, not lost
                 st = rdzv.read(self.store) or {}
                 if st.get("phase") == "closed" or st.get("round") != rnd.number:
                     break

@@ -97,9 +97,7 @@ def join(store: Any, me: str, min_nodes: int, max_nodes: int, *, timeout: float,
     checked = -STALE
     last_beat = -STALE
     while True:
-        if clock() - last_beat >= STALE / 8:
-            last_beat = clock()
-            beat(store, me)
+        last_beat = beat_if_due(store, me, last_beat, clock)
         st = read(store)
         if st is None:
             if _swap(store, None, _fresh(0, 0, [me])):
@@ -159,6 +157,17 @@ def beat(store: Any, me: str) -> None:
     run, while it waits on a failed round and at the exit barrier (no clock is shared
     between hosts, so liveness is a counter that moves, not a time)."""
     store.add(f"beat/{me}", 1)
+
+
+def beat_if_due(store: Any, me: str, last: float,
+                clock: Callable[[], float] = time.monotonic) -> float:
+    """Beat when ``STALE / 8`` seconds have passed since ``last`` (this node's last beat);
+    returns the time of its last beat."""
+    now = clock()
+    if now - last < STALE / 8:
+        return last
+    beat(store, me)
+    return now
 
 
 def stale(store: Any, nodes: list[str], beats: dict[str, tuple[int, float]],
