@@ -90,14 +90,14 @@ def reduce_into(
     if dtype.name == "bfloat16":
         _reduce_bf16(out, terms, op, divisor)
         return
-    ufunc = _UFUNC[op]
     if len(terms) == 1:
         if out is not terms[0]:
             np.copyto(out, terms[0])
     else:
-        ufunc(terms[0], terms[1], out=out)
-        for t in terms[2:]:
-            ufunc(out, t, out=out)
+        ufunc = _UFUNC[op]
+        ufunc(terms[0], terms[1], out)  # out= by position: numpy parses no keywords
+        for i in range(2, len(terms)):
+            ufunc(out, terms[i], out)
     if op is Average and divisor != 1:
         if divisor & (divisor - 1) == 0 and out.dtype.kind == "f":
             # x * 2**-k is x / 2**k exactly (both round the same real number), and a

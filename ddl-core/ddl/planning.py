@@ -51,14 +51,14 @@ def plan_allreduce(tensor: Any, op: Any, out: Any = None, *, inplace: bool = Fal
     """``tensor`` reduced with ``op`` into ``out`` (a new tensor when None), or in place."""
     engine, _, _ = target(group)
     op = parse_op(op)
-    if route := _routed(tensor, group, op):
+    if tensor.__class__ is not np.ndarray and (route := _routed(tensor, group, op)):
         devices, backend = route
         return devices.plan_allreduce(backend, tensor, op, out, inplace)
     f = tensors.flatten(tensor)
     check_op(op, f.dtype)
     result, g = _output(f, out, inplace, "allreduce")
     src = f.array
-    if not inplace and not tensors.same_memory(src, g.array) and tensors.overlaps(src, g.array):
+    if not inplace and tensors.overlaps(src, g.array) and not tensors.same_memory(src, g.array):
         src = src.copy()
 
     def job():

@@ -54,13 +54,14 @@ def is_torch(x: Any) -> bool:
 def flatten(x: Any, *, name: str = "tensor") -> Flat:
     if isinstance(x, np.ndarray):
         dt = dtypes.from_numpy(x.dtype)
-        if x.flags.c_contiguous:
+        contiguous = x.flags.c_contiguous
+        if contiguous:
             a = x if x.ndim == 1 else x.reshape(-1)
         else:
             a = np.ascontiguousarray(x).reshape(-1)
         if dt is dtypes.BFLOAT16:
             a = a.view(np.uint16)
-        return Flat(a, dt, x.shape, x, "numpy", not x.flags.c_contiguous)
+        return Flat(a, dt, x.shape, x, "numpy", not contiguous)
     if is_torch(x):
         return _flatten_torch(x)
     if isinstance(x, (np.generic, int, float, bool, complex)):
@@ -153,7 +154,9 @@ def empty_like(flat: Flat, shape: tuple[int, ...] | None = None) -> tuple[Any, F
 
 
 def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.size > 0 and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    # may_share_memory (bounds only) first: __array_interface__ builds a dict (~0.8 us)
+    return (a.size > 0 and np.may_share_memory(a, b)
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:

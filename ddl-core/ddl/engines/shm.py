@@ -354,7 +354,10 @@ class ShmEngine:
     def _allreduce_small(self, src, dst, dt: DType, op: ReduceOp, shape) -> None:
         s = self._step.seq + 1
         terms = self._small_views(s & 1, src.nbytes, dt.storage)
-        read(src, 0, src.size, terms[self.rank])
+        if src.__class__ is np.ndarray:
+            terms[self.rank][...] = src  # a third of np.copyto's cost at 1 KiB
+        else:
+            read(src, 0, src.size, terms[self.rank])
         self._first_step(s, _new(MetaKey, (_ALLREDUCE_KEYS[op], dt.code, src.size, shape, 0, 0, 0)),
                          SPAN_REDUCE, ("allreduce", dt.name, src.size, op))
         if isinstance(dst, Pieces):

@@ -122,7 +122,7 @@ class Records:
         off = W_META[p] * 8
         mine = self._mine[p] * 8
         for lo, hi in spans:
-            ref = qb[mine + lo * 8 : mine + hi * 8].tobytes()
+            ref = qb[mine + lo * 8 : mine + hi * 8]
             for b, _ in self._peer_bytes:
                 if qb[b + off + lo * 8 : b + off + hi * 8] != ref:
                     raise self.error(p, what)
