@@ -393,6 +393,13 @@ def test_json_twin_holds_the_same_rows(tmp_path):
         assert (r["engine"], r["type"], r["redop"]) == ("ddl", "half", "max")
         assert r["out_of_place"]["nwrong"] == 0 and r["in_place"]["nwrong"] == 0
         assert f"{r['in_place']['bus_bw']:6.2f}".strip() == line[11]
+        # the memory roofline: bound time / time, the bound from the host's bandwidth
+        bound = r["roofline_bound_us"]
+        assert bound == pytest.approx(2 * 2 * r["size"] / (doc["memory_bandwidth"]["bound_gbs"]
+                                                           * 1e3))
+        for part in ("out_of_place", "in_place"):
+            assert r[part]["roofline"] == pytest.approx(bound / r[part]["time"])
+    assert doc["memory_bandwidth"]["ranks_per_host"] == 2
     assert doc["out_of_bounds"] == {"count": 0, "okay": True}
 
 
@@ -405,10 +412,14 @@ def test_compare_puts_the_peers_in_one_table():
     lines = proc.stdout.splitlines()
     head = next(ln for ln in lines if ln.startswith("#       size"))
     assert "ddl-heap us" in head and "gloo GB/s" in head and "gloo/ddl-heap" in head
+    assert "ddl-heap roof%" in head and "gloo roof%" in head
+    assert any(ln.startswith("# memory roofline: ") for ln in lines)
     rows = [ln.split() for ln in lines if ln and not ln.startswith("#")]
     assert [(int(r[0]), r[5]) for r in rows] == [(1024, "out"), (1024, "in"), (4096, "out"),
                                                  (4096, "in")]
-    assert all(r[10] == "0" and r[11].endswith("x") for r in rows)
+    # per engine: time, busbw, roof% (the bound's time / the time, in percent)
+    assert all(int(r[8]) >= 0 and int(r[11]) >= 0 for r in rows)
+    assert all(r[12] == "0" and r[13].endswith("x") for r in rows)
     assert "# Avg bus bandwidth    : " in proc.stdout and "(gloo)" in proc.stdout
 
 
@@ -433,7 +444,7 @@ def test_the_horovod_engine_drives_horovods_api(name, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
     assert [int(r[0]) for r in rows] == [s for s in SWEEP for _ in ("out", "in")]
-    assert all(r[10] == "0" for r in rows)  # #wrong over both engines and ranks
+    assert all(r[12] == "0" for r in rows)  # #wrong over both engines and ranks
     assert "horovod us" in proc.stdout and "(horovod)" in proc.stdout
 
 

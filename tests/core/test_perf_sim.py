@@ -368,7 +368,7 @@ def test_simulate_plots_in_both_modes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(["simulate", "--grid", "2x2", "--sizes", "1M,16M", "--plot",
                  str(tmp_path / "a.svg")]) == 0
-    assert "predicted (lines) vs measured (points)" in (tmp_path / "a.svg").read_text()
+    assert "allreduce, grid 2x2: predicted (lines)" in (tmp_path / "a.svg").read_text()
     assert main(["simulate", "--preset", "goyal-2017", "--plot", str(tmp_path / "s.svg")]) == 0
     svg = (tmp_path / "s.svg").read_text()
     assert "predicted: DDL multi-dim, strong" in svg and "Goyal et al." in svg

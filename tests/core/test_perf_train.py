@@ -337,8 +337,8 @@ def test_plot_draws_predictions_and_a_profile(tmp_path):
     plot.render([plot.load(str(tmp_path / n)) for n in ("sim.json", "prof.json")],
                 str(tmp_path / "p.svg"))
     svg = (tmp_path / "p.svg").read_text()
-    assert "predicted (lines) vs measured (points)" in svg
-    assert "fitted model (lines) vs measured (points)" in svg
+    assert "allreduce, grid 2x2: predicted (lines)" in svg
+    assert "fitted model (lines) vs measured (hollow markers)" in svg
     empty = dict(_profile_doc(), measured=[])
     (tmp_path / "empty.json").write_text(json.dumps(empty))
     with pytest.raises(plot.PlotError, match="no measured rows"):
@@ -500,7 +500,9 @@ def test_plot_draws_a_real_allreduce_json_and_a_scale_json(tmp_path):
         scale.scale_doc([_doc(1, 0.5), _doc(2, 0.6)], [])))
     res = _run(_perf("plot", "ar.json", "sc.json", "-o", "both.svg"), tmp_path)
     assert "wrote both.svg" in res.stdout
-    assert "busbw vs size" in (tmp_path / "both.svg").read_text()
+    svg = (tmp_path / "both.svg").read_text()
+    assert "allreduce, 2 ranks on" in svg and "ddl vs gloo" in svg
+    assert "memory roofline, 2 ranks" in svg and "64 KiB" in svg
     bad = subprocess.run(_perf("plot", "sc.json", "-o", "x.jpg"), capture_output=True,
                          text=True, cwd=tmp_path, env=ENV, timeout=60)
     assert bad.returncode == 2 and "give a .png or .svg" in bad.stderr

@@ -39,6 +39,7 @@ from .collectives import (  # noqa: F401  (re-exported: ``ar.Counts`` and co)
     parse_dtype,
     rank_input,
 )
+from .roofline import Bandwidth, fraction, host_bandwidth
 from .sizes import parse_size, sweep  # noqa: F401  (re-exported)
 from .worker import Null
 
@@ -105,25 +106,34 @@ def footer(wrong_measurements: int, avg_busbw: float) -> list[str]:
 OURS = ("ddl", "ddl-heap")
 
 
-def compare_header(engines: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+def compare_header(engines: Sequence[str], roof: bool = False
+                   ) -> tuple[list[str], list[tuple[str, str]]]:
     """The header of ``--compare``'s table and its ratio columns (ours, peer): one row per
-    size and placement, each engine's time and busbw, #wrong summed over engines and
-    ranks, then peer time / our time (> 1: ours is faster)."""
+    size and placement, each engine's time and busbw (and, with ``roof``, the fraction of
+    the memory roofline it reached), #wrong summed over engines and ranks, then peer time
+    / our time (> 1: ours is faster)."""
     ratios = [(a, b) for a in OURS if a in engines for b in engines if b not in OURS]
     cols = [f"{'size':>10}", f"{'count':>12}", f"{'type':>8}", f"{'redop':>6}",
             f"{'root':>6}", f"{'place':>5}"]
     for e in engines:
         cols += [f"{e + ' us':>{max(9, len(e) + 3)}}", f"{e + ' GB/s':>{max(9, len(e) + 5)}}"]
+        if roof:
+            cols.append(f"{e + ' roof%':>{len(e) + 6}}")
     cols.append(f"{'#wrong':>6}")
     cols += [f"{f'{b}/{a}':>{max(8, len(a) + len(b) + 1)}}" for a, b in ratios]
-    return ["# " + "  ".join(cols),
-            "# (time in us, busbw in GB/s; ratios: peer time / ddl time, > 1: ddl faster)"], \
-        ratios
+    note = "# (time in us, busbw in GB/s; ratios: peer time / ddl time, > 1: ddl faster"
+    note += "; roof%: the memory roofline's bound time / time)" if roof else ")"
+    return ["# " + "  ".join(cols), note], ratios
+
+
+def _percent(frac: float | None) -> str:
+    return "-" if frac is None else f"{100 * frac:.0f}"
 
 
 def compare_row(size_bytes: int, count: int, type_name: str, op_name: str, root: int,
                 place: str, engines: Sequence[str], by: dict[str, Timing],
-                ratios: Sequence[tuple[str, str]]) -> str:
+                ratios: Sequence[tuple[str, str]],
+                roof: dict[str, float | None] | None = None) -> str:
     cells = [f"{size_bytes:12d}", f"{count:12d}", f"{type_name:>8}", f"{op_name:>6}",
              f"{root:6d}", f"{place:>5}"]
     wrong: int | None = None
@@ -131,6 +141,8 @@ def compare_row(size_bytes: int, count: int, type_name: str, op_name: str, root:
         t = by[e]
         cells += [f"{_time_us(t.seconds).strip():>{max(9, len(e) + 3)}}",
                   f"{t.busbw:>{max(9, len(e) + 5)}.2f}"]
+        if roof is not None:
+            cells.append(f"{_percent(roof.get(e)):>{len(e) + 6}}")
         if t.wrong is not None:
             wrong = (wrong or 0) + t.wrong
     cells.append(f"{'N/A' if wrong is None else wrong:>6}")
@@ -160,6 +172,7 @@ class Config:
     # -b/-e as given: nccl-tests' header prints these, not the last size the sweep reached
     min_bytes: int | None = None
     max_bytes: int | None = None
+    roofline: str = "off"  # roofline.MODES: the CLI's default is auto
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -175,6 +188,8 @@ class Record:
     wrong_measurements: int = 0
     busbw: dict[str, list[float]] = field(default_factory=dict)
     overhead: float = 0.0  # seconds per timed call that the harness itself costs
+    bandwidth: Bandwidth | None = None  # the memory roofline, when measured
+    roof_lines: list[str] = field(default_factory=list)  # after nccl-tests' table
 
 
 def _op_name(cfg: Config) -> str:
@@ -282,8 +297,13 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
 
     for line in header(cfg, nranks, devices, engines[0].describe()):
         emit(line)
+    # the memory roofline before the table: its kernels must not run between two rows
+    bw = host_bandwidth(harness, cfg.roofline if cfg.device == "cpu" else "off")
+    rec.bandwidth = bw
+    if bw is not None:
+        emit(bw.describe())
     if compare:
-        lines, ratios = compare_header(names)
+        lines, ratios = compare_header(names, roof=bw is not None)
         for line in lines:
             emit(line)
     else:
@@ -305,16 +325,25 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
                 rec.busbw[engine.name].append(t.busbw)
                 rec.wrong_measurements += bool(t.wrong)
         lead = (shown, counts.param, cfg.dtype.name, _op_name(cfg), _root(cfg))
+        roof = {p: {e: fraction(bw, cfg.collective, shown, nranks, t.seconds)
+                    for e, t in by[p].items()} for p in (False, True)}
         if compare:
             for in_place in (False, True):
                 emit(compare_row(*lead, "in" if in_place else "out", names, by[in_place],
-                                 ratios))
+                                 ratios, roof[in_place] if bw is not None else None))
         else:
             emit(format_row(*lead, by[False][names[0]], by[True][names[0]]))
+            if bw is not None:
+                rec.roof_lines.append(roof_row(shown, bound_us(bw, cfg, shown, nranks),
+                                               roof[False][names[0]], roof[True][names[0]]))
         for name in names:
             rec.rows.append(_json_row(cfg, name, nranks, lead, by[False][name],
-                                      by[True][name]))
+                                      by[True][name], bw, roof[False][name],
+                                      roof[True][name]))
     avg = {n: (sum(v) / len(v) if v else 0.0) for n, v in rec.busbw.items()}
+    if rec.roof_lines:  # nccl-tests' rows keep their 13 columns: the roofline comes after
+        for line in [*roof_header(), *rec.roof_lines]:
+            emit(line)
     lines = footer(rec.wrong_measurements, avg[names[0]])
     if compare:
         lines[1:2] = [f"# {'Avg bus bandwidth':<20} : {avg[n]:g} ({n})" for n in names]
@@ -325,18 +354,37 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
     return 1 if rec.wrong_measurements else 0
 
 
+def bound_us(bw: Bandwidth, cfg: Config, size: int, nranks: int) -> float:
+    from .roofline import bound_seconds
+
+    return bound_seconds(bw, cfg.collective, size, nranks) * 1e6
+
+
+def roof_header() -> list[str]:
+    return ["# memory roofline per size: the bound's time and the fraction of it reached "
+            "(bound / time)",
+            f"# {'size':>10}  {'bound us':>9}  {'out roof%':>9}  {'in roof%':>9}"]
+
+
+def roof_row(size: int, bound: float, out: float | None, inp: float | None) -> str:
+    return f"# {size:10d}  {_time_us(bound * 1e-6).strip():>9}  {_percent(out):>9}  " \
+        f"{_percent(inp):>9}"
+
+
 def _json_row(cfg: Config, engine: str, nranks: int, lead: tuple, oop: Timing,
-              ip: Timing) -> dict:
+              ip: Timing, bw: Bandwidth | None = None, roof_oop: float | None = None,
+              roof_ip: float | None = None) -> dict:
     size, count, type_name, op_name, root = lead
 
-    def part(t: Timing) -> dict:
+    def part(t: Timing, roof: float | None) -> dict:
         return {"time": t.seconds * 1e6, "alg_bw": t.algbw, "bus_bw": t.busbw,
-                "nwrong": t.wrong}
+                "nwrong": t.wrong, "roofline": roof}
 
     return {"engine": engine, "ranks": nranks, "size": size, "count": count,
-            "type": type_name, "redop": op_name, "root": root, "out_of_place": part(oop),
-            "in_place": part(ip), "actual_iterations": cfg.iters,
-            "experiment_name": cfg.collective}
+            "type": type_name, "redop": op_name, "root": root,
+            "out_of_place": part(oop, roof_oop), "in_place": part(ip, roof_ip),
+            "roofline_bound_us": None if bw is None else bound_us(bw, cfg, size, nranks),
+            "actual_iterations": cfg.iters, "experiment_name": cfg.collective}
 
 
 def _write_json(cfg: Config, nranks: int, devices: Sequence[str], rec: Record,
@@ -355,6 +403,7 @@ def _write_json(cfg: Config, nranks: int, devices: Sequence[str], rec: Record,
         "devices": [d.removeprefix("#  ") for d in devices],
         "results": rec.rows,
         "harness_overhead_us": rec.overhead * 1e6,
+        "memory_bandwidth": None if rec.bandwidth is None else rec.bandwidth.as_json(),
         "out_of_bounds": {"count": rec.wrong_measurements,
                           "okay": rec.wrong_measurements == 0},
         "average_bus_bandwidth": {"bandwidth": avg[cfg.engines[0]], "okay": "unchecked",

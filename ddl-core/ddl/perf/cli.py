@@ -86,6 +86,9 @@ def _add_collective(sub: argparse._SubParsersAction, name: str) -> None:
     c.add_argument("--ranks", type=_ranks, metavar="N,N",
                    help="outside a job: run one ddlrun job per rank count (e.g. 2,4)")
     c.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    c.add_argument("--roofline", default="auto", choices=("auto", "fresh", "off"),
+                   help="the host memory bandwidth each row is compared with: auto (cached "
+                        "per host, measured once), fresh (measured again), off")
     c.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds a --ranks job may take (default 1800)")
     add_launch_arguments(c)
@@ -182,7 +185,7 @@ def _config(args: argparse.Namespace, p: argparse.ArgumentParser):
         check=args.check, dtype=dtype, op=args.op if reduces else "sum", root=args.root,
         device=args.device, engines=tuple(_engines(args)), factor=args.stepfactor,
         step=args.stepbytes, json_path=args.json, argv=tuple(sys.argv),
-        min_bytes=args.minbytes, max_bytes=args.maxbytes)
+        min_bytes=args.minbytes, max_bytes=args.maxbytes, roofline=args.roofline)
 
 
 def _forward(args: argparse.Namespace, json_path: str | None) -> list[str]:
@@ -190,7 +193,8 @@ def _forward(args: argparse.Namespace, json_path: str | None) -> list[str]:
     argv = [args.cmd, "-b", str(args.minbytes), "-e", str(args.maxbytes), "-i",
             str(args.stepbytes), "-f", str(args.stepfactor), "-n", str(args.iters), "-w",
             str(args.warmup_iters), "-c", str(args.check), "-d", args.datatype, "-o",
-            args.op, "-r", str(args.root), "-g", args.device, "--engine", args.engine]
+            args.op, "-r", str(args.root), "-g", args.device, "--engine", args.engine,
+            "--roofline", args.roofline]
     if args.compare:
         argv += ["--compare", args.compare]
     if args.mode:

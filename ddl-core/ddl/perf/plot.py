@@ -84,6 +84,80 @@ def busbw_series(docs: Sequence[Any], in_place: bool = False
     return {k: sorted(v) for k, v in series.items()}
 
 
+def roofline_series(docs: Sequence[Any], in_place: bool = False
+                    ) -> dict[str, list[tuple[int, float]]]:
+    """Label -> [(size in bytes, busbw GB/s at the memory roofline)] of the rows that have
+    a roofline (``ddl-perf ... --json``: ``roofline`` = bound time / time, so the bound's
+    busbw is the row's busbw / roofline), one line per rank count."""
+    part = "in_place" if in_place else "out_of_place"
+    series: dict[str, dict[int, float]] = {}
+    for d in docs:
+        for item in (d if isinstance(d, list) else [d]):
+            bw = item.get("memory_bandwidth")
+            for r in item["results"]:
+                frac = r[part].get("roofline")
+                if bw and frac and float(r[part]["bus_bw"]) > 0:
+                    label = (f"memory roofline, {r['ranks']} ranks "
+                             f"({float(bw['bound_gbs']):.0f} GB/s per host)")
+                    series.setdefault(label, {})[int(r["size"])] = \
+                        float(r[part]["bus_bw"]) / float(frac)
+    return {k: sorted(v.items()) for k, v in series.items()}
+
+
+def size_label(n: float) -> str:
+    """8 B, 1 KiB, 64 MiB: the sizes people write (binary units, as -b/-e read them)."""
+    n = float(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def collective_title(docs: Sequence[Any], in_place: bool) -> str:
+    """What the busbw panel shows: collective(s), rank counts, hosts, engines, placement."""
+    import re
+
+    items = [i for d in docs for i in (d if isinstance(d, list) else [d])]
+    colls = sorted({i["collective"] for i in items})
+    ranks = sorted({int(r["ranks"]) for i in items for r in i["results"]})
+    engines = list(dict.fromkeys(r["engine"] for i in items for r in i["results"]))
+    hosts = sorted({m.group(1) for i in items for line in i.get("devices", [])
+                    if (m := re.search(r" on +(\S+) device", line))})
+    dtype = sorted({str(i.get("config", {}).get("datatype", "")) for i in items} - {""})
+    return (f"{', '.join(colls)}, {'/'.join(map(str, ranks))} ranks"
+            + (f" on {', '.join(hosts)}" if hosts else "")
+            + f" ({', '.join(dtype)}{', ' if dtype else ''}"
+              f"{'in place' if in_place else 'out of place'})\n{' vs '.join(engines)}")
+
+
+def _size_axis(ax: Any, sizes: Sequence[float]) -> None:
+    """Log-2 x axis labelled 8 B / 1 KiB / 1 MiB, at most ~9 labels."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_xscale("log", base=2)
+    lo, hi = min(sizes), max(sizes)
+    e0, e1 = int(lo).bit_length() - 1, max(int(hi).bit_length() - 1, int(lo).bit_length() - 1)
+    step = max(1, -(-(e1 - e0) // 8))
+    ax.xaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(e0, e1 + 1, step)]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: size_label(v)))
+    ax.set_xlim(lo / 1.3, hi * 1.3)
+    ax.set_xlabel("message size")
+
+
+def _fit_log_y(ax: Any, values: Sequence[float]) -> None:
+    """Log y axis around the data (a margin of a fifth of a decade at each end)."""
+    vals = [v for v in values if v > 0]
+    ax.set_yscale("log")
+    if vals:
+        ax.set_ylim(min(vals) / 1.6, max(vals) * 1.6)
+
+
+def _legend_outside(ax: Any) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
+
+
 def scale_series(doc: dict) -> tuple[str, list[int], list[float], list[float]]:
     """(label, ranks, measured total throughput, ideal throughput)."""
     pts = doc["points"]
@@ -168,23 +242,32 @@ def _figure_cls() -> Any:
     return Figure
 
 
+MARKERS = "osD^v<>phX*"
+
+
 def draw_busbw(ax: Any, docs: Sequence[Any], in_place: bool) -> None:
-    drawn = 0
-    for label, pts in busbw_series(docs, in_place).items():
+    drawn, sizes, ys = 0, [], []
+    for i, (label, pts) in enumerate(busbw_series(docs, in_place).items()):
         pts = [(s, b) for s, b in pts if b > 0]  # log axes; 1 rank has busbw 0
         if pts:
-            ax.plot([s for s, _ in pts], [b for _, b in pts], marker="o", label=label)
+            ax.plot([s for s, _ in pts], [b for _, b in pts], marker=MARKERS[i % 10],
+                    label=label)
             drawn += 1
+            sizes += [s for s, _ in pts]
+            ys += [b for _, b in pts]
     if not drawn:
         raise PlotError("every busbw is 0 (a 1-rank run moves nothing): measure with 2 or "
                         "more ranks")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel(f"bus bandwidth, {'in' if in_place else 'out of'} place (GB/s)")
-    ax.set_title("busbw vs size")
+    for j, (label, pts) in enumerate(roofline_series(docs, in_place).items()):
+        ax.plot([s for s, _ in pts], [b for _, b in pts], color="black", linewidth=1.2,
+                linestyle=("--", ":", "-.")[j % 3], label=label)
+        ys += [b for _, b in pts]
+    _size_axis(ax, sizes)
+    _fit_log_y(ax, ys)
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(collective_title(docs, in_place), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    _legend_outside(ax)
 
 
 def draw_scale(ax: Any, docs: Sequence[dict]) -> None:
@@ -204,24 +287,32 @@ def draw_scale(ax: Any, docs: Sequence[dict]) -> None:
 
 
 def _time_axes(ax: Any, title: str) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes)")
+    """Size and time axes fitted to what was drawn on ``ax``."""
+    xs = [x for line in ax.get_lines() for x in line.get_xdata()]
+    ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+    _size_axis(ax, xs)
+    _fit_log_y(ax, ys)
     ax.set_ylabel("time per call (ms)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    _legend_outside(ax)
 
 
 def draw_prediction(ax: Any, sims: Sequence[dict], coll: Sequence[Any], in_place: bool) -> None:
+    # predictions are lines (dashed: the flat ring), measurements hollow markers, each in a
+    # colour of its own, so that a prediction lying on its measurement stays visible
     for doc in sims:
         for label, pts in predicted_times(doc).items():
-            ax.plot([b for b, _ in pts], [t * 1e3 for _, t in pts],
+            ax.plot([b for b, _ in pts], [t * 1e3 for _, t in pts], linewidth=1.5,
                     linestyle="--" if "flat ring" in label else "-", label=label)
-    for label, pts in measured_times(coll, in_place).items():
-        ax.plot([b for b, _ in pts], [t * 1e3 for _, t in pts], marker="o", linestyle="none",
+    measured = measured_times(coll, in_place)
+    for i, (label, pts) in enumerate(measured.items()):
+        ax.plot([b for b, _ in pts], [t * 1e3 for _, t in pts], marker=MARKERS[i % 10],
+                markersize=7, markerfacecolor="none", markeredgewidth=1.5, linestyle="none",
                 label=label)
-    _time_axes(ax, "allreduce: predicted (lines) vs measured (points)")
+    grids = ", ".join("x".join(map(str, d["grid"])) for d in sims)
+    _time_axes(ax, f"allreduce, grid {grids}: predicted (lines)"
+               + (" vs measured (markers)" if measured else ""))
 
 
 def draw_sim_scaling(ax: Any, sims: Sequence[dict], scales: Sequence[dict]) -> None:
@@ -257,12 +348,13 @@ def draw_profile(ax: Any, docs: Sequence[dict]) -> None:
             line = ax.plot([b for b, _ in model], [t * 1e3 for _, t in model],
                            label=f"{label}: fit")
             ax.plot([b for b, _ in got], [t * 1e3 for _, t in got], marker="o",
-                    linestyle="none", color=line[0].get_color(), label=f"{label}: measured")
+                    markerfacecolor="none", linestyle="none", color=line[0].get_color(),
+                    label=f"{label}: measured")
             drawn += 1
     if not drawn:
         raise PlotError("the profile holds no measured rows to draw (write it with "
                         "`ddl-perf calibrate -o`)")
-    _time_axes(ax, "calibrate: fitted model (lines) vs measured (points)")
+    _time_axes(ax, "calibrate: fitted model (lines) vs measured (hollow markers)")
 
 
 def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) -> None:
@@ -275,7 +367,7 @@ def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) 
     of = {kind: [d for k, d in loaded if k == kind] for kind in
           (COLLECTIVE, SCALE, SIMULATE, SIM_SCALING, PROFILE)}
     panels = [kind for kind, docs in of.items() if docs]
-    fig = Figure(figsize=(7 * len(panels), 5), layout="constrained")
+    fig = Figure(figsize=(9 * len(panels), 5), layout="constrained")
     for ax, kind in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         if kind == COLLECTIVE:
             draw_busbw(ax, of[kind], in_place)

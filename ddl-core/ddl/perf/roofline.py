@@ -1,0 +1,211 @@
+"""The memory-bandwidth roofline in ddl-perf's reports.
+
+A host collective cannot finish faster than its host's memory can move the bytes it must
+touch. ``ddl-perf`` measures that memory bandwidth once per host, STREAM-style, with every
+rank of the host running the kernels at the same time (the ranks of a job share the
+memory), caches it, and reports beside each measurement the fraction of that bound it
+reached: ``bound time / measured time`` (1.0 = at the memory limit).
+
+The bound (docs/perf-tools.md says why): every rank on a host reads its whole input and
+writes its whole output at least once, whatever the algorithm; S the row's size in bytes,
+n the ranks, p the ranks on the busiest host:
+
+- allreduce, alltoall: p x (S + S) bytes;
+- reduce_scatter (S the input): p x (S + S/n); allgather (S the output): p x (S/n + S);
+- broadcast: p x S written plus the root's S read.
+
+``bound = bytes / B``, B the host's bandwidth: the higher of STREAM copy and STREAM add
+(bytes counted as STREAM counts them: 2 per copied byte, 3 per added one), measured on
+arrays four times the last-level cache shared out over the host's ranks, best of 5.
+Sizes that fit in the caches can beat the memory bound: their fraction may pass 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+REPS = 5
+MIN_ARRAY, MAX_ARRAY = 32 << 20, 512 << 20
+MODES = ("auto", "fresh", "off")
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """One host's memory bandwidth with ``ranks_per_host`` ranks streaming at once
+    (GB/s, 10^9 bytes, STREAM's byte counts), the slowest host of the job."""
+
+    copy: float
+    add: float
+    ranks_per_host: int
+    array_bytes: int
+    host: str
+    cached: bool
+
+    @property
+    def peak(self) -> float:
+        """B of the bound: the higher of copy and add."""
+        return max(self.copy, self.add)
+
+    def describe(self) -> str:
+        how = "cached" if self.cached else "measured now"
+        return (f"# memory roofline: {self.peak:.1f} GB/s per host (STREAM copy {self.copy:.1f}, "
+                f"add {self.add:.1f}; {self.ranks_per_host} rank(s) streaming at once on "
+                f"{self.host}, {self.array_bytes >> 20} MiB arrays, {how}); roof% = bound "
+                "time / measured time (docs/perf-tools.md)")
+
+    def as_json(self) -> dict:
+        return {"copy_gbs": self.copy, "add_gbs": self.add, "bound_gbs": self.peak,
+                "ranks_per_host": self.ranks_per_host, "array_bytes": self.array_bytes,
+                "host": self.host, "cached": self.cached}
+
+
+def traffic_bytes(collective: str, size: int, ranks: int, per_host: int) -> float:
+    """The fewest bytes the busiest host's memory moves for one call (module docstring)."""
+    n, p, s = max(1, ranks), max(1, per_host), float(size)
+    if collective in ("allreduce", "alltoall"):
+        return 2 * p * s
+    if collective in ("reduce_scatter", "allgather"):
+        return p * (s + s / n)
+    if collective == "broadcast":
+        return p * s + s
+    raise ValueError(f"no roofline for {collective!r}")
+
+
+def bound_seconds(bw: Bandwidth, collective: str, size: int, ranks: int) -> float:
+    return traffic_bytes(collective, size, ranks, bw.ranks_per_host) / (bw.peak * 1e9)
+
+
+def fraction(bw: Bandwidth | None, collective: str, size: int, ranks: int,
+             seconds: float) -> float | None:
+    """bound / measured (None without a roofline or a time)."""
+    if bw is None or seconds <= 0 or bw.peak <= 0:
+        return None
+    return bound_seconds(bw, collective, size, ranks) / seconds
+
+
+# ----------------------------------------------------------------------- measuring
+def llc_bytes() -> int:
+    """The largest CPU cache of this host (sysfs), 32 MiB when it cannot be read."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in os.listdir(base):
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * unit)
+    except (OSError, ValueError):
+        pass
+    return best or 32 << 20
+
+
+def array_bytes(per_host: int) -> int:
+    """STREAM's rule: the arrays of all ranks together are 4x the last-level cache."""
+    return int(min(MAX_ARRAY, max(MIN_ARRAY, 4 * llc_bytes() // max(1, per_host))))
+
+
+def stream_seconds(nbytes: int, barrier: Any, reps: int = REPS) -> tuple[float, float]:
+    """Best seconds of ``c = a`` and of ``c = a + b`` on float64 arrays of ``nbytes``;
+    ``barrier()`` before each so that the host's ranks stream together."""
+    n = nbytes // 8
+    a, b, c = np.ones(n), np.full(n, 2.0), np.zeros(n)  # written: the pages exist
+    copy = add = float("inf")
+    for _ in range(reps):
+        barrier()
+        t0 = time.perf_counter()
+        np.copyto(c, a)
+        copy = min(copy, time.perf_counter() - t0)
+        barrier()
+        t0 = time.perf_counter()
+        np.add(a, b, c)
+        add = min(add, time.perf_counter() - t0)
+    return copy, add
+
+
+def cache_path() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "ddl", "stream.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(host: str, per_host: int) -> str:
+    return f"{host}|{_cpu_model()}|{os.cpu_count()} cpus|{per_host} ranks"
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_path()) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    path = cache_path()
+    doc = _read_cache()
+    doc[key] = entry
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measured again next time
+
+
+def host_bandwidth(harness: Any, mode: str = "auto") -> Bandwidth | None:
+    """The job's roofline, the same on every rank (collective: every rank calls it).
+    ``auto``: from each host's cache when every host has one, else measured (and cached);
+    ``fresh``: measured; ``off``: None."""
+    if mode == "off":
+        return None
+    host = platform.node()
+    hosts = harness.gather_lines(host)
+    per_host = hosts.count(host)
+    key = cache_key(host, per_host)
+    entry = _read_cache().get(key) if mode == "auto" else None
+    ok = isinstance(entry, dict) and all(
+        isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("copy", "add"))
+    # every rank measures when any host lacks its figure: the kernels' barriers are the job's
+    if harness.total(0 if ok else 1):
+        size = array_bytes(per_host)
+        copy_s, add_s = stream_seconds(size, harness.barrier)
+        entry = {"copy": 2 * size / copy_s / 1e9, "add": 3 * size / add_s / 1e9,
+                 "array_bytes": size, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        cached = False
+    else:
+        cached = True
+    # a host's bandwidth is its ranks' sum, taken from its slowest rank (they share it)
+    lines = harness.gather_lines(f"{entry['copy']!r} {entry['add']!r}")
+    by_host: dict[str, list[tuple[float, float]]] = {}
+    for h, line in zip(hosts, lines, strict=True):
+        c, a = (float(x) for x in line.split())
+        by_host.setdefault(h, []).append((c, a))
+    totals = {h: (len(v) * min(c for c, _ in v), len(v) * min(a for _, a in v))
+              for h, v in by_host.items()}
+    slowest = min(totals, key=lambda h: max(totals[h]))
+    if not cached and hosts.index(host) == harness.rank:
+        p = len(by_host[host])  # cached per rank as the host's total over its ranks
+        _write_cache(key, {**entry, "copy": totals[host][0] / p, "add": totals[host][1] / p})
+    copy, add = totals[slowest]
+    return Bandwidth(copy, add, max(len(v) for v in by_host.values()),
+                     int(entry["array_bytes"]), slowest, cached)

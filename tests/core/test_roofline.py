@@ -1,0 +1,137 @@
+"""The memory roofline of ddl-perf's reports: the bound's arithmetic, the per-host
+measurement and its cache, and the agreement of every rank on one figure."""
+
+import json
+import platform
+
+import pytest
+
+from ddl.perf import plot, roofline
+
+
+def test_traffic_is_every_input_read_and_every_output_written_on_the_busiest_host():
+    s = 1 << 20
+    assert roofline.traffic_bytes("allreduce", s, 4, 4) == 8 * s
+    assert roofline.traffic_bytes("alltoall", s, 8, 4) == 8 * s
+    assert roofline.traffic_bytes("reduce_scatter", s, 4, 2) == 2 * (s + s / 4)
+    assert roofline.traffic_bytes("allgather", s, 4, 2) == 2 * (s / 4 + s)
+    assert roofline.traffic_bytes("broadcast", s, 4, 4) == 5 * s
+    with pytest.raises(ValueError):
+        roofline.traffic_bytes("gather", s, 2, 2)
+
+
+def test_fraction_is_the_bounds_time_over_the_measured_time():
+    bw = roofline.Bandwidth(copy=40.0, add=50.0, ranks_per_host=2, array_bytes=1 << 26,
+                            host="h", cached=False)
+    assert bw.peak == 50.0
+    bound = roofline.bound_seconds(bw, "allreduce", 1 << 24, 2)
+    assert bound == pytest.approx(4 * (1 << 24) / 50e9)
+    assert roofline.fraction(bw, "allreduce", 1 << 24, 2, 2 * bound) == pytest.approx(0.5)
+    assert roofline.fraction(None, "allreduce", 1 << 24, 2, 1.0) is None
+    assert roofline.fraction(bw, "allreduce", 1 << 24, 2, 0.0) is None
+
+
+def test_arrays_follow_streams_rule_of_four_times_the_last_level_cache(monkeypatch):
+    monkeypatch.setattr(roofline, "llc_bytes", lambda: 32 << 20)
+    assert roofline.array_bytes(1) == 128 << 20
+    assert roofline.array_bytes(2) == 64 << 20
+    assert roofline.array_bytes(64) == roofline.MIN_ARRAY  # never below 32 MiB
+    monkeypatch.setattr(roofline, "llc_bytes", lambda: 1 << 30)
+    assert roofline.array_bytes(1) == roofline.MAX_ARRAY
+
+
+class FakeJob:
+    """Rank ``rank`` of a job whose other ranks answer with the given lines."""
+
+    def __init__(self, rank: int, hosts: list[str], figures: list[str], missing: int = 0):
+        self.rank, self.size = rank, len(hosts)
+        self._answers = [hosts, figures]
+        self.missing = missing  # ranks elsewhere whose host has no cached figure
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+    def total(self, value: int) -> int:
+        return value + self.missing
+
+    def gather_lines(self, line: str) -> list[str]:
+        lines = list(self._answers.pop(0))
+        lines[self.rank] = line
+        return lines
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(roofline, "array_bytes", lambda per_host: 1 << 20)  # fast
+    return tmp_path / "ddl" / "stream.json"
+
+
+def test_measured_once_then_read_from_the_hosts_cache(cache):
+    me = platform.node()
+    job = FakeJob(0, [me], ["0 0"])
+    first = roofline.host_bandwidth(job, "auto")
+    assert not first.cached and first.ranks_per_host == 1 and job.barriers == 2 * roofline.REPS
+    assert first.copy > 0 and first.add > 0 and first.host == me
+    doc = json.loads(cache.read_text())
+    assert list(doc) == [roofline.cache_key(me, 1)]
+    again = roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto")
+    assert again.cached and (again.copy, again.add) == (first.copy, first.add)
+    fresh = roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "fresh")
+    assert not fresh.cached
+    assert roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "off") is None
+
+
+def test_a_broken_cache_is_measured_again(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{not json")
+    me = platform.node()
+    assert not roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto").cached
+    cache.write_text(json.dumps({roofline.cache_key(me, 1): {"copy": -1, "add": "x"}}))
+    assert not roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto").cached
+
+
+def test_every_rank_measures_when_any_host_lacks_its_figure(cache):
+    me = platform.node()
+    roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto")  # now cached here
+    job = FakeJob(0, [me, "other"], ["0 0", "30.0 35.0"], missing=1)
+    bw = roofline.host_bandwidth(job, "auto")
+    assert not bw.cached and job.barriers == 2 * roofline.REPS  # it streamed with the rest
+
+
+def test_the_jobs_figure_is_its_slowest_host_summed_over_its_ranks(cache):
+    me = platform.node()
+    # ranks 0, 1 here at 40/50 and 30/45 GB/s each; rank 2 alone on "b" at 20/25
+    job = FakeJob(0, [me, me, "b"], ["40.0 50.0", "30.0 45.0", "20.0 25.0"])
+    job.missing = 1  # measure: this rank's own figure is replaced by its measurement
+    bw = roofline.host_bandwidth(job, "auto")
+    assert bw.host == "b" and (bw.copy, bw.add) == (20.0, 25.0)
+    assert bw.ranks_per_host == 2  # the bound counts the ranks of the busiest host
+    # the cache holds this host's total per rank: both ranks stream at the slower's pace
+    entry = json.loads(cache.read_text())[roofline.cache_key(me, 2)]
+    assert entry["copy"] <= 30.0 and entry["add"] <= 45.0
+
+
+def test_plot_labels_sizes_in_binary_units_and_draws_the_roofline(tmp_path):
+    assert [plot.size_label(n) for n in (8, 1024, 3 << 19, 1 << 20, 64 << 20, 1 << 30)] == [
+        "8 B", "1 KiB", "1.5 MiB", "1 MiB", "64 MiB", "1 GiB"]
+    pytest.importorskip("matplotlib")
+    rows = [{"engine": "ddl", "ranks": 2, "size": s, "count": s // 4, "type": "float",
+             "redop": "sum", "root": -1, "experiment_name": "allreduce",
+             "out_of_place": {"time": 10.0, "alg_bw": 1.0, "bus_bw": 1.0 * s / 1024,
+                              "nwrong": 0, "roofline": 0.5},
+             "in_place": {"time": 10.0, "alg_bw": 1.0, "bus_bw": 1.0, "nwrong": 0,
+                          "roofline": None}}
+            for s in (1024, 4096)]
+    doc = {"version": 2, "tool": "ddl-perf", "collective": "allreduce", "results": rows,
+           "memory_bandwidth": {"bound_gbs": 45.0}, "config": {"datatype": "float"},
+           "devices": ["#  Rank  0 Group  0 Pid      1 on      node7 device  0 [cpu] x"]}
+    assert plot.roofline_series([doc]) == {
+        "memory roofline, 2 ranks (45 GB/s per host)": [(1024, 2.0), (4096, 8.0)]}
+    assert plot.roofline_series([doc], in_place=True) == {}
+    title = plot.collective_title([doc], False)
+    assert title.startswith("allreduce, 2 ranks on node7 (float, out of place)")
+    path = tmp_path / "p.png"
+    plot.render([("collective", doc)], str(path))
+    assert path.stat().st_size > 0
