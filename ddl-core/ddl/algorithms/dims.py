@@ -25,7 +25,7 @@ class ShmDim:
         self.rank = engine.rank
         self.algorithm = "shm"
 
-    def describe(self, nbytes: int = 0) -> str:
+    def describe(self, nbytes: int | None = None) -> str:
         return f"dim{self.index} x{self.size} shm"
 
     def reduce_scatter(self, buf: np.ndarray, counts: list[int], dt: DType, op: ReduceOp) -> None:
@@ -43,10 +43,16 @@ class ShmDim:
         self.engine.close()
 
 
+# Mode 'p' times every candidate at these sizes; a call takes the pick of the nearest (the
+# bound between them is their geometric mean, 181 KiB). Smaller allreduces ride on the
+# identity round (engines/identity_round.FOLD_BYTES), not on a dimension's algorithm.
+EXPLORE_SIZES = (32 << 10, 1 << 20)
+
+
 class GroupDim:
     """A dimension across hosts: a Gloo (or MPI) group and the algorithm its mode picks:
     'r' ring, 'n' the engine's native collectives, 'b' the cost model's pick per message
-    size, 'p' whichever was fastest when measured at start (``explore``)."""
+    size, 'p' the fastest per size range when measured at start (``explore``)."""
 
     def __init__(self, group, index: int, mode: str, link: cost.Link = cost.NETWORK):
         self.group = group
@@ -56,6 +62,9 @@ class GroupDim:
         self.mode = mode
         self.link = link
         self.fixed = {"r": "ring", "n": "native"}.get(mode)
+        # mode 'p' after explore(): (largest size in bytes, algorithm), by size; the last
+        # range is open
+        self.picks: list[tuple[int, str]] = []
 
     def candidates(self) -> list[str]:
         return ["ring", "native"] + (["hd"] if cost.is_pow2(self.size) else [])
@@ -63,10 +72,25 @@ class GroupDim:
     def choose(self, nbytes: int) -> str:
         if self.fixed:
             return self.fixed
+        if self.picks:
+            for bound, alg in self.picks:
+                if nbytes <= bound:
+                    return alg
+            return self.picks[-1][1]
         return cost.best(self.candidates(), self.size, nbytes, self.link)
 
-    def describe(self, nbytes: int = 1 << 20) -> str:
-        return f"dim{self.index} x{self.size} {self.group.name}/{self.choose(nbytes)}"
+    def describe(self, nbytes: int | None = None) -> str:
+        """The algorithm for ``nbytes``; without it mode 'p''s choice per size range once
+        explored (``-dbg_level`` logs it), else the choice at 1 MiB."""
+        head = f"dim{self.index} x{self.size} {self.group.name}"
+        if nbytes is None and self.picks and not self.fixed:
+            lo, parts = 0, []
+            for bound, alg in self.picks[:-1]:
+                parts.append(f"{alg} to {bound} B")
+                lo = bound + 1
+            parts.append(f"{self.picks[-1][1]} from {lo} B")
+            return f"{head}/[{', '.join(parts)}]"
+        return f"{head}/{self.choose(1 << 20 if nbytes is None else nbytes)}"
 
     def _alg(self, nbytes: int, dt: DType) -> str:
         alg = self.choose(nbytes)
@@ -102,24 +126,46 @@ class GroupDim:
         self.reduce_scatter(buf, counts, dt, op)
         self.allgather(buf, counts, dt)
 
-    def explore(self, dt: DType, nbytes: int = 1 << 20, reps: int = 3) -> dict[str, float]:
-        """Mode 'p': time every candidate here, agree on the times (the max over the
-        group, so every member decides alike) and keep the fastest."""
-        buf = np.zeros(max(1, nbytes // dt.itemsize), dt.storage)
-        times = {}
-        for alg in self.candidates():
-            self.fixed = alg
+    def _time(self, alg: str, buf: np.ndarray, dt: DType, reps: int) -> float:
+        """Seconds per allreduce of ``buf`` with ``alg`` on this rank (after a warm-up)."""
+        self.fixed = alg
+        try:
             self.allreduce(buf, dt, ReduceOp.SUM)  # warm-up, connections
             t = time.perf_counter()
             for _ in range(reps):
                 self.allreduce(buf, dt, ReduceOp.SUM)
-            times[alg] = (time.perf_counter() - t) / reps
-        agreed = np.array([times[a] for a in self.candidates()], np.float64)
+            return (time.perf_counter() - t) / reps
+        finally:
+            self.fixed = None
+
+    def explore(self, dt: DType, sizes: tuple[int, ...] = EXPLORE_SIZES, reps: int = 3
+                ) -> dict[int, dict[str, float]]:
+        """Mode 'p': time every candidate at each of ``sizes``, agree on the times (the
+        max over the group: every member then picks alike from the same numbers, whatever
+        its own clock said) and keep the fastest per size range. Returns the agreed
+        seconds, size -> algorithm -> seconds."""
+        cands = self.candidates()
+        local = []
+        for nbytes in sizes:
+            buf = np.zeros(max(1, nbytes // dt.itemsize), dt.storage)
+            n = reps if nbytes >= 1 << 20 else reps * 10  # small calls: noise per call
+            local += [self._time(alg, buf, dt, n) for alg in cands]
+        agreed = np.array(local, np.float64)
         self.fixed = "native"
-        self.group.allreduce(agreed, BY_NAME["float64"], ReduceOp.MAX)
-        times = dict(zip(self.candidates(), agreed.tolist(), strict=True))
-        self.fixed = min(times, key=lambda a: (times[a], a))
-        return times
+        try:
+            self.group.allreduce(agreed, BY_NAME["float64"], ReduceOp.MAX)
+        finally:
+            self.fixed = None
+        table: dict[int, dict[str, float]] = {}
+        picks = []
+        for i, nbytes in enumerate(sizes):
+            times = dict(zip(cands, agreed[i * len(cands):(i + 1) * len(cands)].tolist(),
+                             strict=True))
+            table[nbytes] = times
+            bound = int((nbytes * sizes[i + 1]) ** 0.5) if i + 1 < len(sizes) else nbytes
+            picks.append((bound, min(times, key=lambda a: (times[a], a))))
+        self.picks = picks
+        return table
 
     def close(self) -> None:
         self.group.close()

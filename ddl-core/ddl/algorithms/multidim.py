@@ -63,7 +63,7 @@ class MultiDim:
         self._busy = [0.0] * len(self.dims)
         self._wall = 0.0
 
-    def describe(self, nbytes: int = 1 << 20) -> str:
+    def describe(self, nbytes: int | None = None) -> str:
         return " -> ".join(d.describe(nbytes) for d in self.dims) or "single rank"
 
     # -------------------------------------------------------------------------
