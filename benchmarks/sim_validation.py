@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,7 +77,7 @@ def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1
     rows = []
     for r in measured:
         pred = simulate.allreduce_row([per, nhosts], links, r["bytes"], chunk,
-                                      profile.call_overhead_s)
+                                      profile.call_overhead_s, profile.round_s)
         rows.append({"bytes": r["bytes"], "measured_s": r["median"],
                      "predicted_s": pred["pipelined_s"], "algorithms": pred["algorithms"],
                      "error": pred["pipelined_s"] / r["median"] - 1, "correct": r["correct"]})
@@ -119,11 +120,21 @@ def markdown(nhosts: int, per: int, rate: str, profile: cost.Profile, rows: list
            format_profile(profile), "```", "",
            "| size | measured ms | predicted ms | error | each round | algorithms |",
            "|---|---|---|---|---|---|"]
+    from ddl.perf.plot import size_label
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3g}" if seconds < 0.1 else f"{seconds * 1e3:.1f}"
+
     for r in rows:
         each = ", ".join(f"{e:+.1%}" for e in r.get("round_errors", [r["error"]]))
-        out.append(f"| {r['bytes'] >> 20} MiB | {r['measured_s'] * 1e3:.1f} | "
-                   f"{r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | {each} | "
+        out.append(f"| {size_label(r['bytes'])} | {ms(r['measured_s'])} | "
+                   f"{ms(r['predicted_s'])} | {r['error']:+.1%} | {each} | "
                    f"{','.join(r['algorithms'])} |")
+    errs = sorted(abs(r["error"]) for r in rows)
+    if errs:
+        within = sum(e <= 0.25 for e in errs)
+        out += ["", f"median |error| {statistics.median(errs):.1%}; {within} of {len(errs)} "
+                    f"sizes within 25%; worst {errs[-1]:.1%}"]
     return "\n".join(out)
 
 

@@ -194,6 +194,10 @@ class Profile:
     # when the dimensions run together (threads and processes handing each chunk on):
     # measured by calibrate on calls of one chunk, added once per call by the simulator
     call_overhead_s: float = 0.0
+    # a whole allreduce small enough to ride on the identity round (engines/identity_round:
+    # the data travels in the round's fixed-size rows), measured by calibrate; 0: not
+    # measured (the simulator then prices the round from the fitted links)
+    round_s: float = 0.0
 
     def link(self, index: int | None, engine: str) -> Link | None:
         """The link measured for this dimension and engine; else (or with ``index`` None: a
@@ -212,7 +216,7 @@ class Profile:
                           "algorithm": d.algorithm, "alpha_s": d.link.alpha,
                           "beta_s_per_byte": d.link.beta,
                           "gamma_s_per_byte": d.link.gamma} for d in self.dims],
-                "call_overhead_s": self.call_overhead_s,
+                "call_overhead_s": self.call_overhead_s, "round_s": self.round_s,
                 "measured": list(self.measured)}
 
 
@@ -240,14 +244,17 @@ def profile_from_json(doc: object, where: str) -> Profile:
         if min(alpha, beta, gamma) < 0 or not all(map(math.isfinite, (alpha, beta, gamma))):
             raise bad(f"dims[{k}]: alpha, beta and gamma must be finite and >= 0")
         dims.append(dim)
-    raw = doc.get("call_overhead_s")  # absent or null: a profile without it
-    overhead = 0.0 if raw is None else raw
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)):
-        overhead = math.nan
-    if not (math.isfinite(overhead) and overhead >= 0):
-        raise bad("\"call_overhead_s\" must be a finite number >= 0")
+    seconds = []
+    for key in ("call_overhead_s", "round_s"):
+        raw = doc.get(key)  # absent or null: a profile without it
+        value = 0.0 if raw is None else raw
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise bad(f"\"{key}\" must be a finite number >= 0")
+        seconds.append(float(value))
     return Profile(str(doc.get("machine", "")), tuple(dims), tuple(doc.get("measured", ())),
-                   overhead)
+                   *seconds)
 
 
 def load_profile(path: str) -> Profile:

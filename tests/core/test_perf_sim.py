@@ -52,6 +52,29 @@ def test_fit_profile_makes_one_link_per_dimension():
     assert "0.0%" in calibrate.format_profile(prof)  # worst fit error on exact data
 
 
+def test_the_fit_holds_the_measured_reduction_speed():
+    """A host that reduces 4x faster than the model's default gamma (one core's np.add at
+    3 GB/s) made the shared-memory fit collapse (beta 0, errors of 100-200% on one host):
+    calibrate now measures gamma and fits alpha and beta with it."""
+    fast = cost.Link(1e-6, 1 / 20e9, gamma=1 / 12e9)
+    times = [cost.allreduce_time("shm", 2, s, fast) for s in SIZES]
+    got = calibrate.fit_link("shm", 2, SIZES, times, gamma=fast.gamma)
+    assert got.alpha == pytest.approx(fast.alpha, rel=1e-6)
+    assert got.beta == pytest.approx(fast.beta, rel=1e-6)
+    wrong = calibrate.fit_link("shm", 2, SIZES, times)  # the default gamma: too slow
+    assert wrong.beta == 0.0
+    rows = [{"dim": 0, "engine": "shm", "size": 2, "algorithm": "shm", "bytes": s, "seconds": t}
+            for s, t in zip(SIZES, times, strict=True)]
+    link = calibrate.fit_profile(rows, "box", fast.gamma).dims[0].link
+    assert (link.alpha, link.beta, link.gamma) == pytest.approx((fast.alpha, fast.beta,
+                                                                  fast.gamma))
+    ticks = iter([0.0, 2e-3, 0.0, 1e-3, 0.0, 3e-3])  # 2 ms, 1 ms, 3 ms
+    barriers = []
+    g = calibrate.reduce_gamma(lambda: barriers.append(1), nbytes=1 << 20, reps=3,
+                               clock=lambda: next(ticks))
+    assert g == pytest.approx(1e-3 / (1 << 20)) and len(barriers) == 3  # the best of 3
+
+
 @pytest.mark.parametrize("alg", ["ring", "hd", "native", "shm"])
 def test_one_rank_communicates_nothing(alg):
     assert cost.allreduce_time(alg, 1, 1 << 30, cost.NETWORK) == 0.0
@@ -174,6 +197,44 @@ def test_calibrate_finds_the_per_call_overhead_and_simulate_adds_it(tmp_path, ca
             cost.profile_from_json(doc, "doc")
     doc["call_overhead_s"] = None  # as absent
     assert cost.profile_from_json(doc, "doc").call_overhead_s == 0.0
+
+
+def test_a_call_that_rides_on_the_round_is_priced_as_calibrate_measured_it(tmp_path):
+    """Up to 8 KiB the data travels in the identity round's rows: calibrate times a 1 KiB
+    call (Profile.round_s, the median), and the simulator prices every riding call at that
+    instead of at the round's price on links fitted from 16 KiB-16 MiB (which missed the
+    2 x 2 netns cluster's 1 KiB call by 57%)."""
+    prof = cost.profile_from_json(_profile_doc(), "doc")
+    dims = [(d.algorithm, d.size, d.link) for d in prof.dims]
+
+    class Engine:
+        class multidim:
+            chunk_bytes = 8 << 20
+
+    rows = [{"dim": "call", "bytes": calibrate.RIDE_BYTES, "seconds": t}
+            for t in (1.7e-3, 1.6e-3, 9e-3)]
+    rows += [{"dim": "call", "bytes": 16384, "seconds": cost.pipeline_time(dims, 16384, 8 << 20)
+              + cost.identity_round_time(dims) + 2e-3}]
+    got = calibrate.with_call_overhead(prof, rows, Engine)
+    assert got.round_s == pytest.approx(1.7e-3)  # the median of the riding calls
+    assert got.call_overhead_s == pytest.approx(2e-3)  # from the others only
+    assert "rides on the identity round: 1700 us" in calibrate.format_profile(got)
+    path = tmp_path / "p.json"
+    cost.save_profile(got, str(path))
+    assert cost.load_profile(str(path)).round_s == pytest.approx(1.7e-3)
+    links = simulate.links_from_profile(got, 2)
+    for nbytes in (8, 1024, 8192):
+        row = simulate.allreduce_row([2, 2], links, nbytes, 8 << 20, got.call_overhead_s,
+                                     got.round_s)
+        assert row["pipelined_s"] == pytest.approx(1.7e-3)
+    big = simulate.allreduce_row([2, 2], links, 16384, 8 << 20, got.call_overhead_s,
+                                 got.round_s)
+    assert big["pipelined_s"] > 2e-3  # priced from the links, plus call_overhead_s
+    doc = got.to_json()
+    for bad in (-1, "x", float("inf")):
+        with pytest.raises(DDLConfigError, match="round_s"):
+            cost.profile_from_json(dict(doc, round_s=bad), "doc")
+    assert cost.profile_from_json(dict(doc, round_s=None), "doc").round_s == 0.0
 
 
 def test_profile_round_trip_and_env_lookup(tmp_path, monkeypatch):

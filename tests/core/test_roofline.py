@@ -41,11 +41,12 @@ def test_arrays_follow_streams_rule_of_four_times_the_last_level_cache(monkeypat
 
 
 class FakeJob:
-    """Rank ``rank`` of a job whose other ranks answer with the given lines."""
+    """Rank ``rank`` of a job whose other ranks answer each gather with the given lines
+    (``others``: one list per gather, its own line put at ``rank``)."""
 
-    def __init__(self, rank: int, hosts: list[str], figures: list[str], missing: int = 0):
+    def __init__(self, rank: int, hosts: list[str], *others: list[str], missing: int = 0):
         self.rank, self.size = rank, len(hosts)
-        self._answers = [hosts, figures]
+        self._answers = [hosts, *others]
         self.missing = missing  # ranks elsewhere whose host has no cached figure
         self.barriers = 0
 
@@ -70,47 +71,58 @@ def cache(tmp_path, monkeypatch):
 
 def test_measured_once_then_read_from_the_hosts_cache(cache):
     me = platform.node()
-    job = FakeJob(0, [me], ["0 0"])
+    job = FakeJob(0, [me], [""], [""])
     first = roofline.host_bandwidth(job, "auto")
     assert not first.cached and first.ranks_per_host == 1 and job.barriers == 2 * roofline.REPS
     assert first.copy > 0 and first.add > 0 and first.host == me
     doc = json.loads(cache.read_text())
     assert list(doc) == [roofline.cache_key(me, 1)]
-    again = roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto")
+    again_job = FakeJob(0, [me], [""])  # no spans gathered: nothing measured
+    again = roofline.host_bandwidth(again_job, "auto")
     assert again.cached and (again.copy, again.add) == (first.copy, first.add)
-    fresh = roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "fresh")
+    assert again_job.barriers == 0
+    fresh = roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "fresh")
     assert not fresh.cached
-    assert roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "off") is None
+    assert roofline.host_bandwidth(FakeJob(0, [me]), "off") is None
 
 
 def test_a_broken_cache_is_measured_again(cache):
     cache.parent.mkdir(parents=True)
     cache.write_text("{not json")
     me = platform.node()
-    assert not roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto").cached
+    assert not roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto").cached
     cache.write_text(json.dumps({roofline.cache_key(me, 1): {"copy": -1, "add": "x"}}))
-    assert not roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto").cached
+    assert not roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto").cached
 
 
 def test_every_rank_measures_when_any_host_lacks_its_figure(cache):
     me = platform.node()
-    roofline.host_bandwidth(FakeJob(0, [me], ["0 0"]), "auto")  # now cached here
-    job = FakeJob(0, [me, "other"], ["0 0", "30.0 35.0"], missing=1)
+    roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto")  # now cached here
+    job = FakeJob(0, [me, "other"], ["", "1 2 " * 10], ["", "30.0 35.0 1048576"], missing=1)
     bw = roofline.host_bandwidth(job, "auto")
     assert not bw.cached and job.barriers == 2 * roofline.REPS  # it streamed with the rest
+    assert bw.host == "other" and (bw.copy, bw.add) == (30.0, 35.0)  # the slower host
 
 
-def test_the_jobs_figure_is_its_slowest_host_summed_over_its_ranks(cache):
-    me = platform.node()
-    # ranks 0, 1 here at 40/50 and 30/45 GB/s each; rank 2 alone on "b" at 20/25
-    job = FakeJob(0, [me, me, "b"], ["40.0 50.0", "30.0 45.0", "20.0 25.0"])
-    job.missing = 1  # measure: this rank's own figure is replaced by its measurement
-    bw = roofline.host_bandwidth(job, "auto")
-    assert bw.host == "b" and (bw.copy, bw.add) == (20.0, 25.0)
-    assert bw.ranks_per_host == 2  # the bound counts the ranks of the busiest host
-    # the cache holds this host's total per rank: both ranks stream at the slower's pace
-    entry = json.loads(cache.read_text())[roofline.cache_key(me, 2)]
-    assert entry["copy"] <= 30.0 and entry["add"] <= 45.0
+def test_a_hosts_rate_is_its_ranks_bytes_over_the_hosts_span():
+    """Two ranks on two cores stream side by side: twice one rank's bytes over the same
+    second. Two ranks taking turns on one core: twice the bytes over two seconds. Summing
+    each rank's own rate would call both 2 units."""
+    mb = 10**9  # 1 GB per rank per kernel: rates read in GB/s
+    side = [[(0.0, 1.0)] * 2, [(0.0, 1.0)] * 2]
+    turns = [[(0.0, 1.0)] * 2, [(1.0, 2.0)] * 2]
+    assert roofline.host_rates(side, mb, reps=1) == pytest.approx((4.0, 6.0))
+    assert roofline.host_rates(turns, mb, reps=1) == pytest.approx((2.0, 3.0))
+    # the best repetition counts
+    two = [[(0.0, 2.0), (0.0, 1.0), (0.0, 1.0), (0.0, 1.0)]]
+    assert roofline.host_rates(two, mb, reps=2) == pytest.approx((2.0, 3.0))
+
+
+def test_stream_spans_time_every_repetition_after_a_barrier():
+    calls = []
+    spans = roofline.stream_spans(1 << 16, lambda: calls.append(1), reps=3)
+    assert len(spans) == 6 and len(calls) == 6
+    assert all(b >= a for a, b in spans)
 
 
 def test_plot_labels_sizes_in_binary_units_and_draws_the_roofline(tmp_path):

@@ -38,18 +38,20 @@ def plan_dims(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: floa
 
 
 def allreduce_row(sizes: list[int], links: list[tuple[str, cost.Link]], nbytes: float,
-                  chunk_bytes: int, call_overhead: float = 0.0) -> dict:
+                  chunk_bytes: int, call_overhead: float = 0.0, round_s: float = 0.0) -> dict:
     """One size: a flat ring on the slowest link against ddl's multi-dimensional call, which
     also pays its identity round and ``call_overhead`` (a profile's measured per-call cost
-    beyond its dimensions, ``Profile.call_overhead_s``)."""
+    beyond its dimensions, ``Profile.call_overhead_s``). ``round_s``: a whole call that
+    rides on the round, as measured (``Profile.round_s``; 0: priced from the links)."""
     world = math.prod(sizes)
     dims = plan_dims(sizes, links, nbytes)
     slowest = max((link for _, link in links), key=lambda lk: (lk.beta, lk.alpha))
+    round_measured = round_s
     round_s = cost.identity_round_time(dims)  # ddl's call pays it, a flat ring does not
     if round_s and nbytes <= FOLD_BYTES:
         # the data rides on the round (one step in the host, one message along the line):
         # no pipeline, and none of the hand-offs the measured overhead is made of
-        multidim = pipelined = round_s
+        multidim = pipelined = round_measured or round_s
     else:
         multidim = cost.multidim_time(dims, nbytes) + round_s + call_overhead
         pipelined = cost.pipeline_time(dims, nbytes, chunk_bytes) + round_s + call_overhead

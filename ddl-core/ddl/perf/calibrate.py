@@ -16,10 +16,11 @@ reduce-scatter then an allgather; across hosts on the engine's native collective
 
 The fit (``fit_link``, pure) is the cost model's own formula for the algorithm that was
 timed, ``T(s) = steps * alpha + wire(s) * beta + reduced(s) * gamma`` (ddl/cost.py), with
-gamma held at the model's value: for a fixed dimension size ``steps``, ``wire`` and
-``reduced`` are constants times ``s``, so it is a straight line ``a + b s``, fitted by
-least squares on the relative error (each point weighted by 1/T, so 4 KiB counts as much
-as 16 MiB), with alpha and beta constrained to be >= 0.
+gamma measured first (``reduce_gamma``: seconds per byte of one rank's ``np.add`` while
+every rank of the host adds at once, the slowest rank's): for a fixed dimension size
+``steps``, ``wire`` and ``reduced`` are constants times ``s``, so it is a straight line
+``a + b s``, fitted by least squares on the relative error (each point weighted by 1/T, so
+4 KiB counts as much as 16 MiB), with alpha and beta constrained to be >= 0.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .. import cost
+from .. import config, cost
+from ..engines.identity_round import FOLD_BYTES
 from ..engines.multihost import DimsEngine
 from .sizes import size_list
 
 DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
+RIDE_BYTES = 1024  # a whole call of this size rides on the identity round (Profile.round_s)
 
 
 # --------------------------------------------------------------------------- fitting (pure)
@@ -85,15 +88,17 @@ def _line(x: np.ndarray, y: np.ndarray, w2: np.ndarray) -> tuple[float, float]:
     return float((sy - b * sx) / sw), float(b)
 
 
-def fit_profile(rows: list[dict], machine: str) -> cost.Profile:
+def fit_profile(rows: list[dict], machine: str,
+                gamma: float = cost.Link(0, 0).gamma) -> cost.Profile:
     """One DimProfile per dimension from the measured rows
-    ({"dim", "engine", "size", "algorithm", "bytes", "seconds"})."""
+    ({"dim", "engine", "size", "algorithm", "bytes", "seconds"}), with ``gamma`` the
+    seconds per byte reduced (``reduce_gamma``; default: the model's)."""
     dims = []
     for index in sorted({r["dim"] for r in rows}):
         mine = [r for r in rows if r["dim"] == index]
         first = mine[0]
         link = fit_link(first["algorithm"], first["size"], [r["bytes"] for r in mine],
-                        [r["seconds"] for r in mine])
+                        [r["seconds"] for r in mine], gamma)
         dims.append(cost.DimProfile(index, first["engine"], first["size"], first["algorithm"],
                                     link))
     return cost.Profile(machine, tuple(dims), tuple(rows))
@@ -152,6 +157,23 @@ def _phases(d, outermost: bool, f32) -> Callable[[np.ndarray], None]:
         d.allgather(buf, counts, f32)
 
     return run
+
+
+def reduce_gamma(barrier: Callable[[], None], nbytes: int = 16 << 20, reps: int = 5,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per byte of ``np.add`` of two float32 arrays of ``nbytes`` into a third on
+    this rank, best of ``reps``, every rank adding at the same moment (``barrier``): the
+    model's gamma as this host reduces when the ranks share its memory. The caller agrees
+    on the slowest rank's."""
+    n = max(1, nbytes // 4)
+    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
+    best = math.inf
+    for _ in range(reps):
+        barrier()
+        t = clock()
+        np.add(a, b, c)
+        best = min(best, clock() - t)
+    return best / (4 * n)
 
 
 def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], None],
@@ -242,6 +264,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
             print("ddl-perf calibrate: one rank has nothing to measure; run it inside a "
                   "job (ddlrun -n 4 ddl-perf calibrate ...)", file=sys.stderr)
             return 2
+        # the host's reduction speed first: the fit holds it fixed (module docstring)
+        gamma = float(ddl.allreduce(np.array([reduce_gamma(ddl.barrier)]), op=ddl.Max)[0])
         rows = []
         for target in found:
             local = measure(target, sizes, args.iters, ddl.barrier, _slowest,
@@ -253,7 +277,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
                      for (b, _), t in zip(local, worst, strict=True)]
         whole = _whole_calls(api.job_engine(), sizes, args)
         if ddl.rank() == 0:
-            profile = fit_profile(rows, socket.gethostname())
+            profile = fit_profile(rows, socket.gethostname(), gamma)
             if whole:
                 profile = with_call_overhead(profile, whole, api.job_engine())
             cost.save_profile(profile, args.output)
@@ -266,18 +290,17 @@ def calibrate_main(args: argparse.Namespace) -> int:
 
 def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dict]:
     """The job's whole allreduce (``ddl.allreduce_``, its identity round and every dimension
-    at once) at the sizes of one pipeline chunk that do not ride on the round, under 1 MiB:
-    rows for ``with_call_overhead``. None on one host, where the engine is one dimension."""
+    at once) at the sizes of one pipeline chunk that do not ride on the round, under 1 MiB,
+    and across hosts at ``RIDE_BYTES``, which rides on the round: rows for
+    ``with_call_overhead``. On one host the call is the engine's one dimension plus the
+    API's own cost, which the sizes under 1 MiB measure just the same."""
     import ddl
 
-    from ..engines.identity_round import FOLD_BYTES
-
-    if not isinstance(engine, DimsEngine):
-        return []
-    picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20)
-              and s <= engine.multidim.chunk_bytes]
+    picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20) and s <= _chunk_bytes(engine)]
     if not picked:
         return []
+    if isinstance(engine, DimsEngine):
+        picked.insert(0, RIDE_BYTES)  # one that rides on the round: Profile.round_s
     call = Target(-1, "call", engine.size, "multidim", lambda buf: ddl.allreduce_(buf, ddl.Sum))
     local = measure(call, picked, args.iters, ddl.barrier, _slowest,
                     min_seconds=args.min_seconds)
@@ -286,15 +309,24 @@ def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dic
             for (b, _), t in zip(local, worst, strict=True)]
 
 
+def _chunk_bytes(engine) -> int:
+    """The pipeline's chunk (the multi-host engine's; the configured one on one host)."""
+    multidim = getattr(engine, "multidim", None)
+    return multidim.chunk_bytes if multidim is not None else config.get("DDL_CHUNK_BYTES")
+
+
 def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost.Profile:
     """``profile`` with ``call_overhead_s``: the median over ``whole`` of what each call
     took beyond the model's price for it on the fitted links (its dimensions' pipeline and
     its identity round), never below 0. Pure but for the engine's chunk size."""
     dims = [(d.algorithm, d.size, d.link) for d in sorted(profile.dims, key=lambda d: d.index)]
-    chunk = engine.multidim.chunk_bytes
+    chunk = _chunk_bytes(engine)
+    riding = [r["seconds"] for r in whole if r["bytes"] <= FOLD_BYTES]
     left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk)
-            - cost.identity_round_time(dims) for r in whole]
-    return dataclasses.replace(profile, call_overhead_s=max(0.0, float(np.median(left))),
+            - cost.identity_round_time(dims) for r in whole if r["bytes"] > FOLD_BYTES]
+    return dataclasses.replace(profile, call_overhead_s=max(0.0, float(np.median(left)))
+                               if left else 0.0,
+                               round_s=float(np.median(riding)) if riding else 0.0,
                                measured=tuple(profile.measured) + tuple(whole))
 
 
@@ -310,7 +342,11 @@ def format_profile(profile: cost.Profile) -> str:
         bw = 1 / d.link.beta / 1e9 if d.link.beta else float("inf")
         lines.append(f"  {d.index:>3} {d.engine:>6} {d.size:>4} {d.algorithm:>6} "
                      f"{d.link.alpha * 1e6:>9.2f} {bw:>13.3f} {err:>12.1%}")
-    calls = sorted(r["bytes"] for r in profile.measured if r.get("dim") == "call")
+    calls = sorted(r["bytes"] for r in profile.measured
+                   if r.get("dim") == "call" and r["bytes"] > FOLD_BYTES)
+    if profile.round_s:
+        lines.append(f"# a call that rides on the identity round: "
+                     f"{profile.round_s * 1e6:.0f} us (whole calls of {RIDE_BYTES} B)")
     if calls:
         lines.append(f"# per call beyond the dimensions and the identity round: "
                      f"{profile.call_overhead_s * 1e6:.0f} us (whole calls of "

@@ -227,7 +227,7 @@ def profile_series(doc: dict, where: str = "profile"
         sizes = [d.size for d in sorted(prof.dims, key=lambda d: d.index)]
         links = links_from_profile(prof, len(sizes))
         chunk = config.get("DDL_CHUNK_BYTES")
-        model = [(b, allreduce_row(sizes, links, b, chunk, prof.call_overhead_s)
+        model = [(b, allreduce_row(sizes, links, b, chunk, prof.call_overhead_s, prof.round_s)
                   ["pipelined_s"]) for b, _ in calls]
         out.append(("whole call", calls, model))
     return out
@@ -281,9 +281,9 @@ def draw_scale(ax: Any, docs: Sequence[dict]) -> None:
             ax.annotate(f"{t / i:.0%}", (n, t), textcoords="offset points", xytext=(4, -12))
     ax.set_xlabel("ranks")
     ax.set_ylabel(f"{unit}/s (all ranks)")
-    ax.set_title("training throughput vs ranks (labels: scaling efficiency)")
+    ax.set_title("training throughput vs ranks (labels: scaling efficiency)", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    _legend_outside(ax)
 
 
 def _time_axes(ax: Any, title: str) -> None:
@@ -336,7 +336,7 @@ def draw_sim_scaling(ax: Any, sims: Sequence[dict], scales: Sequence[dict]) -> N
     ax.set_ylabel("scaling efficiency")
     ax.set_title("; ".join(d["cluster"] for d in sims), fontsize=8)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend_outside(ax)
 
 
 def draw_profile(ax: Any, docs: Sequence[dict]) -> None:

@@ -15,8 +15,10 @@ n the ranks, p the ranks on the busiest host:
 - broadcast: p x S written plus the root's S read.
 
 ``bound = bytes / B``, B the host's bandwidth: the higher of STREAM copy and STREAM add
-(bytes counted as STREAM counts them: 2 per copied byte, 3 per added one), measured on
-arrays four times the last-level cache shared out over the host's ranks, best of 5.
+(bytes counted as STREAM counts them: 2 per copied byte, 3 per added one), every rank of
+the host's bytes over the host's span from the first start to the last end (one clock for
+the host's processes), on arrays four times the last-level cache shared out over the
+host's ranks, best of 5.
 Sizes that fit in the caches can beat the memory bound: their fraction may pass 1.
 """
 
@@ -111,22 +113,38 @@ def array_bytes(per_host: int) -> int:
     return int(min(MAX_ARRAY, max(MIN_ARRAY, 4 * llc_bytes() // max(1, per_host))))
 
 
-def stream_seconds(nbytes: int, barrier: Any, reps: int = REPS) -> tuple[float, float]:
-    """Best seconds of ``c = a`` and of ``c = a + b`` on float64 arrays of ``nbytes``;
-    ``barrier()`` before each so that the host's ranks stream together."""
+def stream_spans(nbytes: int, barrier: Any, reps: int = REPS
+                 ) -> list[tuple[float, float]]:
+    """``reps`` of ``c = a`` then ``reps`` of ``c = a + b`` on float64 arrays of ``nbytes``,
+    each after ``barrier()`` so that the host's ranks stream together: (start, end) of each
+    on ``time.monotonic`` (one clock for every process of a host, so the host's span of a
+    repetition is its earliest start to its latest end even when ranks outnumber cores)."""
     n = nbytes // 8
     a, b, c = np.ones(n), np.full(n, 2.0), np.zeros(n)  # written: the pages exist
-    copy = add = float("inf")
-    for _ in range(reps):
-        barrier()
-        t0 = time.perf_counter()
-        np.copyto(c, a)
-        copy = min(copy, time.perf_counter() - t0)
-        barrier()
-        t0 = time.perf_counter()
-        np.add(a, b, c)
-        add = min(add, time.perf_counter() - t0)
-    return copy, add
+    spans = []
+    for kernel in (lambda: np.copyto(c, a), lambda: np.add(a, b, c)):
+        for _ in range(reps):
+            barrier()
+            t0 = time.monotonic()
+            kernel()
+            spans.append((t0, time.monotonic()))
+    return spans
+
+
+def host_rates(spans_of_ranks: list[list[tuple[float, float]]], nbytes: int,
+               reps: int = REPS) -> tuple[float, float]:
+    """(copy, add) GB/s of one host from its ranks' ``stream_spans``: per repetition every
+    rank's bytes over the host's span, the best repetition (STREAM's byte counts)."""
+    p = len(spans_of_ranks)
+    rates = []
+    for kernel, words in ((0, 2), (1, 3)):
+        best = 0.0
+        for r in range(reps):
+            k = kernel * reps + r
+            span = max(s[k][1] for s in spans_of_ranks) - min(s[k][0] for s in spans_of_ranks)
+            best = max(best, p * words * nbytes / max(span, 1e-9) / 1e9)
+        rates.append(best)
+    return rates[0], rates[1]
 
 
 def cache_path() -> str:
@@ -184,28 +202,26 @@ def host_bandwidth(harness: Any, mode: str = "auto") -> Bandwidth | None:
     key = cache_key(host, per_host)
     entry = _read_cache().get(key) if mode == "auto" else None
     ok = isinstance(entry, dict) and all(
-        isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("copy", "add"))
+        isinstance(entry.get(k), (int, float)) and entry[k] > 0
+        for k in ("copy", "add", "array_bytes"))
     # every rank measures when any host lacks its figure: the kernels' barriers are the job's
-    if harness.total(0 if ok else 1):
+    measured = harness.total(0 if ok else 1) > 0
+    if measured:
         size = array_bytes(per_host)
-        copy_s, add_s = stream_seconds(size, harness.barrier)
-        entry = {"copy": 2 * size / copy_s / 1e9, "add": 3 * size / add_s / 1e9,
-                 "array_bytes": size, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        cached = False
-    else:
-        cached = True
-    # a host's bandwidth is its ranks' sum, taken from its slowest rank (they share it)
-    lines = harness.gather_lines(f"{entry['copy']!r} {entry['add']!r}")
-    by_host: dict[str, list[tuple[float, float]]] = {}
-    for h, line in zip(hosts, lines, strict=True):
-        c, a = (float(x) for x in line.split())
-        by_host.setdefault(h, []).append((c, a))
-    totals = {h: (len(v) * min(c for c, _ in v), len(v) * min(a for _, a in v))
-              for h, v in by_host.items()}
-    slowest = min(totals, key=lambda h: max(totals[h]))
-    if not cached and hosts.index(host) == harness.rank:
-        p = len(by_host[host])  # cached per rank as the host's total over its ranks
-        _write_cache(key, {**entry, "copy": totals[host][0] / p, "add": totals[host][1] / p})
-    copy, add = totals[slowest]
-    return Bandwidth(copy, add, max(len(v) for v in by_host.values()),
-                     int(entry["array_bytes"]), slowest, cached)
+        mine = stream_spans(size, harness.barrier)
+        lines = harness.gather_lines(" ".join(f"{t:.6f}" for span in mine for t in span))
+        spans = [[(float(v[i]), float(v[i + 1])) for i in range(0, len(v), 2)]
+                 for h, line in zip(hosts, lines, strict=True) if h == host
+                 for v in [line.split()]]
+        copy, add = host_rates(spans, size)
+        entry = {"copy": copy, "add": add, "array_bytes": size,
+                 "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if hosts.index(host) == harness.rank:  # one writer per host
+            _write_cache(key, entry)
+    figures = harness.gather_lines(f"{entry['copy']!r} {entry['add']!r} {entry['array_bytes']}")
+    by_host = {h: tuple(float(x) for x in line.split())
+               for h, line in zip(hosts, figures, strict=True)}
+    slowest = min(by_host, key=lambda h: max(by_host[h][:2]))
+    copy, add, size = by_host[slowest]
+    return Bandwidth(copy, add, max(hosts.count(h) for h in by_host), int(size), slowest,
+                     not measured)

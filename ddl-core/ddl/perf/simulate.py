@@ -281,12 +281,12 @@ def _allreduce(args: argparse.Namespace) -> int:
     grid = args.grid or "4x16x4"
     sizes = parse_grid(grid)
     profile = (cost.load_profile(args.profile) if args.profile else cost.env_profile())
-    overhead = 0.0
+    overhead = round_s = 0.0
     if profile is not None:
         links = links_from_profile(profile, len(sizes))
         # measured on the profile's own grid; another grid's hand-offs are not known
         if sizes == [d.size for d in sorted(profile.dims, key=lambda d: d.index)]:
-            overhead = profile.call_overhead_s
+            overhead, round_s = profile.call_overhead_s, profile.round_s
         source = f"profile {args.profile or config.get('DDL_COST_PROFILE')} ({profile.machine})"
     else:
         links = links_from_spec(args.links or
@@ -295,7 +295,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         links = links[: len(sizes)]
         source = "--links"
     chunk = args.chunk_bytes or config.get("DDL_CHUNK_BYTES")
-    rows = [allreduce_row(sizes, links, n, chunk, overhead)
+    rows = [allreduce_row(sizes, links, n, chunk, overhead, round_s)
             for n in size_list(args.sizes or "1M,16M,100M,1G")]
     print(f"# ddl-perf simulate: grid {grid} = {math.prod(sizes)} ranks; alpha-beta "
           f"model (ddl/cost.py), links from {source}, {chunk >> 10} KiB chunks")
