@@ -393,11 +393,12 @@ def test_json_twin_holds_the_same_rows(tmp_path):
         assert (r["engine"], r["type"], r["redop"]) == ("ddl", "half", "max")
         assert r["out_of_place"]["nwrong"] == 0 and r["in_place"]["nwrong"] == 0
         assert f"{r['in_place']['bus_bw']:6.2f}".strip() == line[11]
-        # the memory roofline: bound time / time, the bound from the host's bandwidth
-        bound = r["roofline_bound_us"]
-        assert bound == pytest.approx(2 * 2 * r["size"] / (doc["memory_bandwidth"]["bound_gbs"]
-                                                           * 1e3))
+        # the memory roofline: bound time / time, the bound from the host's bandwidth (an
+        # allreduce reads every input and writes every output: 2 ranks x 2 x size)
         for part in ("out_of_place", "in_place"):
+            bound = r[part]["roofline_bound_us"]
+            assert bound == pytest.approx(2 * 2 * r["size"]
+                                          / (doc["memory_bandwidth"]["bound_gbs"] * 1e3))
             assert r[part]["roofline"] == pytest.approx(bound / r[part]["time"])
     assert doc["memory_bandwidth"]["ranks_per_host"] == 2
     assert doc["out_of_bounds"] == {"count": 0, "okay": True}
@@ -413,12 +414,17 @@ def test_compare_puts_the_peers_in_one_table():
     head = next(ln for ln in lines if ln.startswith("#       size"))
     assert "ddl-heap us" in head and "gloo GB/s" in head and "gloo/ddl-heap" in head
     assert "ddl-heap roof%" in head and "gloo roof%" in head
-    assert any(ln.startswith("# memory roofline: ") for ln in lines)
+    roof_line, = [ln for ln in lines if ln.startswith("# memory roofline: ")]
+    gbs = float(roof_line.split(": ")[1].split()[0])
     rows = [ln.split() for ln in lines if ln and not ln.startswith("#")]
     assert [(int(r[0]), r[5]) for r in rows] == [(1024, "out"), (1024, "in"), (4096, "out"),
                                                  (4096, "in")]
-    # per engine: time, busbw, roof% (the bound's time / the time, in percent)
-    assert all(int(r[8]) >= 0 and int(r[11]) >= 0 for r in rows)
+    # per engine: time, busbw, roof%: 100 x the bound's time (2 ranks read and write the
+    # size each, at the header's bandwidth) / the engine's time, in its own column
+    for r in rows:
+        bound_us = 2 * 2 * int(r[0]) / (gbs * 1e3)
+        for t, pct in ((r[6], r[8]), (r[9], r[11])):
+            assert abs(int(pct) - 100 * bound_us / float(t)) <= 1, r
     assert all(r[12] == "0" and r[13].endswith("x") for r in rows)
     assert "# Avg bus bandwidth    : " in proc.stdout and "(gloo)" in proc.stdout
 

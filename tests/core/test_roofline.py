@@ -3,6 +3,7 @@ measurement and its cache, and the agreement of every rank on one figure."""
 
 import json
 import platform
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +13,16 @@ from ddl.perf import plot, roofline
 def test_traffic_is_every_input_read_and_every_output_written_on_the_busiest_host():
     s = 1 << 20
     assert roofline.traffic_bytes("allreduce", s, 4, 4) == 8 * s
+    assert roofline.traffic_bytes("allreduce", s, 4, 4, in_place=True) == 8 * s
     assert roofline.traffic_bytes("alltoall", s, 8, 4) == 8 * s
     assert roofline.traffic_bytes("reduce_scatter", s, 4, 2) == 2 * (s + s / 4)
     assert roofline.traffic_bytes("allgather", s, 4, 2) == 2 * (s / 4 + s)
     assert roofline.traffic_bytes("broadcast", s, 4, 4) == 5 * s
+    # in place, what is already where it belongs does not move
+    assert roofline.traffic_bytes("allgather", s, 4, 2, in_place=True) == 2 * s
+    assert roofline.traffic_bytes("alltoall", s, 2, 2, in_place=True) == 2 * s
+    assert roofline.traffic_bytes("broadcast", s, 4, 4, in_place=True) == 4 * s
+    assert roofline.traffic_bytes("allreduce", s, 1, 1, in_place=True) == 0
     with pytest.raises(ValueError):
         roofline.traffic_bytes("gather", s, 2, 2)
 
@@ -29,6 +36,7 @@ def test_fraction_is_the_bounds_time_over_the_measured_time():
     assert roofline.fraction(bw, "allreduce", 1 << 24, 2, 2 * bound) == pytest.approx(0.5)
     assert roofline.fraction(None, "allreduce", 1 << 24, 2, 1.0) is None
     assert roofline.fraction(bw, "allreduce", 1 << 24, 2, 0.0) is None
+    assert roofline.fraction(bw, "allreduce", 1 << 24, 1, 1.0, in_place=True) is None
 
 
 def test_arrays_follow_streams_rule_of_four_times_the_last_level_cache(monkeypatch):
@@ -69,14 +77,29 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "ddl" / "stream.json"
 
 
+def test_the_last_level_cache_is_read_from_sysfs_whatever_else_the_folder_holds(
+        monkeypatch, tmp_path):
+    base = tmp_path / "cache"
+    for name, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "96M")):
+        (base / name).mkdir(parents=True)
+        (base / name / "size").write_text(size + "\n")
+    (base / "uevent").write_text("")  # listed first on some kernels: not a cache
+    real = roofline.os.path.join
+    monkeypatch.setattr(roofline.os, "listdir", lambda p: ["uevent", "index2", "index0",
+                                                           "index3"])
+    monkeypatch.setattr(roofline.os.path, "join", lambda a, *b: real(
+        str(base) if a == "/sys/devices/system/cpu/cpu0/cache" else a, *b))
+    assert roofline.llc_bytes() == 96 << 20
+
+
 def test_measured_once_then_read_from_the_hosts_cache(cache):
-    me = platform.node()
+    me = roofline.host_id()
     job = FakeJob(0, [me], [""], [""])
     first = roofline.host_bandwidth(job, "auto")
     assert not first.cached and first.ranks_per_host == 1 and job.barriers == 2 * roofline.REPS
     assert first.copy > 0 and first.add > 0 and first.host == me
     doc = json.loads(cache.read_text())
-    assert list(doc) == [roofline.cache_key(me, 1)]
+    assert list(doc) == [roofline.cache_key(platform.node(), 1)]
     again_job = FakeJob(0, [me], [""])  # no spans gathered: nothing measured
     again = roofline.host_bandwidth(again_job, "auto")
     assert again.cached and (again.copy, again.add) == (first.copy, first.add)
@@ -89,19 +112,41 @@ def test_measured_once_then_read_from_the_hosts_cache(cache):
 def test_a_broken_cache_is_measured_again(cache):
     cache.parent.mkdir(parents=True)
     cache.write_text("{not json")
-    me = platform.node()
+    me = roofline.host_id()
     assert not roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto").cached
-    cache.write_text(json.dumps({roofline.cache_key(me, 1): {"copy": -1, "add": "x"}}))
-    assert not roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto").cached
+    for bad in ({"copy": -1, "add": "x"}, {"copy": True, "add": 1.0, "array_bytes": 8},
+                {"copy": float("inf"), "add": 1.0, "array_bytes": 8}):
+        cache.write_text(json.dumps({roofline.cache_key(platform.node(), 1): bad}))
+        assert not roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto").cached
 
 
 def test_every_rank_measures_when_any_host_lacks_its_figure(cache):
-    me = platform.node()
+    me = roofline.host_id()
     roofline.host_bandwidth(FakeJob(0, [me], [""], [""]), "auto")  # now cached here
-    job = FakeJob(0, [me, "other"], ["", "1 2 " * 10], ["", "30.0 35.0 1048576"], missing=1)
+    job = FakeJob(0, [me, "other"], ["", "1 2 " * 10], ["", "0.001 0.002 1048576"], missing=1)
     bw = roofline.host_bandwidth(job, "auto")
     assert not bw.cached and job.barriers == 2 * roofline.REPS  # it streamed with the rest
-    assert bw.host == "other" and (bw.copy, bw.add) == (30.0, 35.0)  # the slower host
+    assert bw.host == "other" and (bw.copy, bw.add) == (0.001, 0.002)  # the slower host
+
+
+def test_the_jobs_bound_is_the_host_with_the_most_ranks_per_bandwidth(cache):
+    me = roofline.host_id()
+    # here 1 rank (measured now, 1 MiB arrays: GB/s at least); "b" 2 ranks at 0.004 GB/s,
+    # "c" 3 ranks at 0.003 GB/s: c has the most ranks per GB/s
+    hosts = [me, "b", "b", "c", "c", "c"]
+    figs = ["", *["0.001 0.004 8"] * 2, *["0.002 0.003 8"] * 3]
+    bw = roofline.host_bandwidth(FakeJob(0, hosts, [""] * 6, figs, missing=5), "fresh")
+    assert (bw.host, bw.ranks_per_host, bw.peak) == ("c", 3, 0.003)
+
+
+def test_two_machines_of_one_name_are_two_hosts(monkeypatch):
+    monkeypatch.setattr(roofline.platform, "node", lambda: "localhost")
+    me = roofline.host_id()
+    assert me.startswith("localhost")
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    assert me == f"localhost#{boot}"
+    monkeypatch.setattr(roofline.platform, "node", lambda: "my host")
+    assert " " not in roofline.host_id()
 
 
 def test_a_hosts_rate_is_its_ranks_bytes_over_the_hosts_span():

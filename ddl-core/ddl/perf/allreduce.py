@@ -325,7 +325,7 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
                 rec.busbw[engine.name].append(t.busbw)
                 rec.wrong_measurements += bool(t.wrong)
         lead = (shown, counts.param, cfg.dtype.name, _op_name(cfg), _root(cfg))
-        roof = {p: {e: fraction(bw, cfg.collective, shown, nranks, t.seconds)
+        roof = {p: {e: fraction(bw, cfg.collective, shown, nranks, t.seconds, p)
                     for e, t in by[p].items()} for p in (False, True)}
         if compare:
             for in_place in (False, True):
@@ -334,8 +334,9 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
         else:
             emit(format_row(*lead, by[False][names[0]], by[True][names[0]]))
             if bw is not None:
-                rec.roof_lines.append(roof_row(shown, bound_us(bw, cfg, shown, nranks),
-                                               roof[False][names[0]], roof[True][names[0]]))
+                rec.roof_lines.append(roof_row(
+                    shown, bound_us(bw, cfg, shown, nranks, False), roof[False][names[0]],
+                    bound_us(bw, cfg, shown, nranks, True), roof[True][names[0]]))
         for name in names:
             rec.rows.append(_json_row(cfg, name, nranks, lead, by[False][name],
                                       by[True][name], bw, roof[False][name],
@@ -354,21 +355,22 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
     return 1 if rec.wrong_measurements else 0
 
 
-def bound_us(bw: Bandwidth, cfg: Config, size: int, nranks: int) -> float:
+def bound_us(bw: Bandwidth, cfg: Config, size: int, nranks: int, in_place: bool) -> float:
     from .roofline import bound_seconds
 
-    return bound_seconds(bw, cfg.collective, size, nranks) * 1e6
+    return bound_seconds(bw, cfg.collective, size, nranks, in_place) * 1e6
 
 
 def roof_header() -> list[str]:
     return ["# memory roofline per size: the bound's time and the fraction of it reached "
-            "(bound / time)",
-            f"# {'size':>10}  {'bound us':>9}  {'out roof%':>9}  {'in roof%':>9}"]
+            "(bound / time), out of place and in place",
+            f"# {'size':>10}  {'bound us':>9}  {'roof%':>5}  {'bound us':>9}  {'roof%':>5}"]
 
 
-def roof_row(size: int, bound: float, out: float | None, inp: float | None) -> str:
-    return f"# {size:10d}  {_time_us(bound * 1e-6).strip():>9}  {_percent(out):>9}  " \
-        f"{_percent(inp):>9}"
+def roof_row(size: int, out_bound: float, out: float | None, in_bound: float,
+             inp: float | None) -> str:
+    return (f"# {size:10d}  {_time_us(out_bound * 1e-6).strip():>9}  {_percent(out):>5}  "
+            f"{_time_us(in_bound * 1e-6).strip():>9}  {_percent(inp):>5}")
 
 
 def _json_row(cfg: Config, engine: str, nranks: int, lead: tuple, oop: Timing,
@@ -376,14 +378,14 @@ def _json_row(cfg: Config, engine: str, nranks: int, lead: tuple, oop: Timing,
               roof_ip: float | None = None) -> dict:
     size, count, type_name, op_name, root = lead
 
-    def part(t: Timing, roof: float | None) -> dict:
+    def part(t: Timing, roof: float | None, in_place: bool) -> dict:
+        bound = None if bw is None else bound_us(bw, cfg, size, nranks, in_place)
         return {"time": t.seconds * 1e6, "alg_bw": t.algbw, "bus_bw": t.busbw,
-                "nwrong": t.wrong, "roofline": roof}
+                "nwrong": t.wrong, "roofline": roof, "roofline_bound_us": bound}
 
     return {"engine": engine, "ranks": nranks, "size": size, "count": count,
             "type": type_name, "redop": op_name, "root": root,
-            "out_of_place": part(oop, roof_oop), "in_place": part(ip, roof_ip),
-            "roofline_bound_us": None if bw is None else bound_us(bw, cfg, size, nranks),
+            "out_of_place": part(oop, roof_oop, False), "in_place": part(ip, roof_ip, True),
             "actual_iterations": cfg.iters, "experiment_name": cfg.collective}
 
 

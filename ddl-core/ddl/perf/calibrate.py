@@ -297,10 +297,10 @@ def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dic
     import ddl
 
     picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20) and s <= _chunk_bytes(engine)]
-    if not picked:
-        return []
     if isinstance(engine, DimsEngine):
         picked.insert(0, RIDE_BYTES)  # one that rides on the round: Profile.round_s
+    if not picked:
+        return []
     call = Target(-1, "call", engine.size, "multidim", lambda buf: ddl.allreduce_(buf, ddl.Sum))
     local = measure(call, picked, args.iters, ddl.barrier, _slowest,
                     min_seconds=args.min_seconds)
@@ -316,9 +316,11 @@ def _chunk_bytes(engine) -> int:
 
 
 def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost.Profile:
-    """``profile`` with ``call_overhead_s``: the median over ``whole`` of what each call
-    took beyond the model's price for it on the fitted links (its dimensions' pipeline and
-    its identity round), never below 0. Pure but for the engine's chunk size."""
+    """``profile`` with ``call_overhead_s``: the median over the calls of ``whole`` that do
+    not ride on the identity round of what each took beyond the model's price for it on
+    the fitted links (its dimensions' pipeline and its identity round), never below 0; and
+    with ``round_s``: the median of those that ride on it. Pure but for the engine's chunk
+    size."""
     dims = [(d.algorithm, d.size, d.link) for d in sorted(profile.dims, key=lambda d: d.index)]
     chunk = _chunk_bytes(engine)
     riding = [r["seconds"] for r in whole if r["bytes"] <= FOLD_BYTES]

@@ -6,13 +6,19 @@ rank of the host running the kernels at the same time (the ranks of a job share 
 memory), caches it, and reports beside each measurement the fraction of that bound it
 reached: ``bound time / measured time`` (1.0 = at the memory limit).
 
-The bound (docs/perf-tools.md says why): every rank on a host reads its whole input and
-writes its whole output at least once, whatever the algorithm; S the row's size in bytes,
-n the ranks, p the ranks on the busiest host:
+The bound (docs/perf-tools.md says why): every rank on a host reads its input and writes
+its output at least once, whatever the algorithm, except what a placement leaves where it
+is; S the row's size in bytes, n the ranks, p the ranks of a host:
 
-- allreduce, alltoall: p x (S + S) bytes;
-- reduce_scatter (S the input): p x (S + S/n); allgather (S the output): p x (S/n + S);
-- broadcast: p x S written plus the root's S read.
+- allreduce: 2pS (in place too: the input is read and the result written over it);
+- reduce_scatter (S the input): p(S + S/n);
+- allgather (S the output): p(S/n + S) out of place; in place, where each rank's own block
+  is already in its output, pS;
+- alltoall: 2pS out of place; in place 2pS(n-1)/n (each rank's own block stays);
+- broadcast: pS written plus the root's S read; in place the root writes nothing: pS.
+
+The job's bound is its slowest host's: the largest p / B over its hosts. An in-place
+allreduce on one rank moves nothing: no bound.
 
 ``bound = bytes / B``, B the host's bandwidth: the higher of STREAM copy and STREAM add
 (bytes counted as STREAM counts them: 2 per copied byte, 3 per added one), every rank of
@@ -25,6 +31,7 @@ Sizes that fit in the caches can beat the memory bound: their fraction may pass 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -68,28 +75,36 @@ class Bandwidth:
                 "host": self.host, "cached": self.cached}
 
 
-def traffic_bytes(collective: str, size: int, ranks: int, per_host: int) -> float:
-    """The fewest bytes the busiest host's memory moves for one call (module docstring)."""
+def traffic_bytes(collective: str, size: int, ranks: int, per_host: int,
+                  in_place: bool = False) -> float:
+    """The fewest bytes a host with ``per_host`` of the job's ``ranks`` moves through its
+    memory for one call (module docstring)."""
     n, p, s = max(1, ranks), max(1, per_host), float(size)
-    if collective in ("allreduce", "alltoall"):
-        return 2 * p * s
-    if collective in ("reduce_scatter", "allgather"):
+    if collective == "allreduce":
+        return 0.0 if in_place and n == 1 else 2 * p * s
+    if collective == "alltoall":
+        return 2 * p * s * (n - 1) / n if in_place else 2 * p * s
+    if collective == "reduce_scatter":
         return p * (s + s / n)
+    if collective == "allgather":
+        return p * s if in_place else p * (s + s / n)
     if collective == "broadcast":
-        return p * s + s
+        return p * s if in_place else p * s + s
     raise ValueError(f"no roofline for {collective!r}")
 
 
-def bound_seconds(bw: Bandwidth, collective: str, size: int, ranks: int) -> float:
-    return traffic_bytes(collective, size, ranks, bw.ranks_per_host) / (bw.peak * 1e9)
+def bound_seconds(bw: Bandwidth, collective: str, size: int, ranks: int,
+                  in_place: bool = False) -> float:
+    return traffic_bytes(collective, size, ranks, bw.ranks_per_host, in_place) / (bw.peak * 1e9)
 
 
 def fraction(bw: Bandwidth | None, collective: str, size: int, ranks: int,
-             seconds: float) -> float | None:
-    """bound / measured (None without a roofline or a time)."""
+             seconds: float, in_place: bool = False) -> float | None:
+    """bound / measured (None without a roofline, a time or a bound)."""
     if bw is None or seconds <= 0 or bw.peak <= 0:
         return None
-    return bound_seconds(bw, collective, size, ranks) / seconds
+    bound = bound_seconds(bw, collective, size, ranks, in_place)
+    return bound / seconds if bound > 0 else None
 
 
 # ----------------------------------------------------------------------- measuring
@@ -98,13 +113,17 @@ def llc_bytes() -> int:
     best = 0
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        for entry in os.listdir(base):
+        entries = [e for e in os.listdir(base) if e.startswith("index")]
+    except OSError:
+        entries = []
+    for entry in entries:  # (the folder also holds uevent, power: not caches)
+        try:
             with open(os.path.join(base, entry, "size")) as f:
                 text = f.read().strip().upper()
             unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
             best = max(best, int(text.rstrip("KMG")) * unit)
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError):
+            continue
     return best or 32 << 20
 
 
@@ -182,12 +201,30 @@ def _write_cache(key: str, entry: dict) -> None:
     doc[key] = entry
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
+        tmp = f"{path}.{platform.node()}.{os.getpid()}"  # a home shared by hosts
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measured again next time
+
+
+def host_id() -> str:
+    """This host as the roofline groups ranks: its name and its kernel's boot id (two
+    machines with one name, cloned VMs or ``localhost``, are two hosts, each with its own
+    monotonic clock)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = ""
+    name = "".join(platform.node().split()) or "host"  # one word: the lines are split
+    return f"{name}#{boot}" if boot else name
+
+
+def _figure(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and x > 0)
 
 
 def host_bandwidth(harness: Any, mode: str = "auto") -> Bandwidth | None:
@@ -196,19 +233,19 @@ def host_bandwidth(harness: Any, mode: str = "auto") -> Bandwidth | None:
     ``fresh``: measured; ``off``: None."""
     if mode == "off":
         return None
-    host = platform.node()
+    host = host_id()
     hosts = harness.gather_lines(host)
     per_host = hosts.count(host)
-    key = cache_key(host, per_host)
+    key = cache_key(platform.node(), per_host)
     entry = _read_cache().get(key) if mode == "auto" else None
-    ok = isinstance(entry, dict) and all(
-        isinstance(entry.get(k), (int, float)) and entry[k] > 0
-        for k in ("copy", "add", "array_bytes"))
+    ok = isinstance(entry, dict) and all(_figure(entry.get(k))
+                                         for k in ("copy", "add", "array_bytes"))
     # every rank measures when any host lacks its figure: the kernels' barriers are the job's
     measured = harness.total(0 if ok else 1) > 0
     if measured:
         size = array_bytes(per_host)
         mine = stream_spans(size, harness.barrier)
+        # 2 x REPS spans of two "%.6f" monotonic times: ~320 of gather_lines' 512 bytes
         lines = harness.gather_lines(" ".join(f"{t:.6f}" for span in mine for t in span))
         spans = [[(float(v[i]), float(v[i + 1])) for i in range(0, len(v), 2)]
                  for h, line in zip(hosts, lines, strict=True) if h == host
@@ -218,10 +255,11 @@ def host_bandwidth(harness: Any, mode: str = "auto") -> Bandwidth | None:
                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if hosts.index(host) == harness.rank:  # one writer per host
             _write_cache(key, entry)
-    figures = harness.gather_lines(f"{entry['copy']!r} {entry['add']!r} {entry['array_bytes']}")
+    figures = harness.gather_lines(
+        f"{float(entry['copy'])!r} {float(entry['add'])!r} {int(entry['array_bytes'])}")
     by_host = {h: tuple(float(x) for x in line.split())
                for h, line in zip(hosts, figures, strict=True)}
-    slowest = min(by_host, key=lambda h: max(by_host[h][:2]))
+    # the job's bound is its slowest host's: the most ranks per unit of bandwidth
+    slowest = max(by_host, key=lambda h: (hosts.count(h) / max(by_host[h][:2]), h))
     copy, add, size = by_host[slowest]
-    return Bandwidth(copy, add, max(hosts.count(h) for h in by_host), int(size), slowest,
-                     not measured)
+    return Bandwidth(copy, add, hosts.count(slowest), int(size), slowest, not measured)
