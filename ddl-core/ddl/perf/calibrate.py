@@ -311,8 +311,9 @@ def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dic
 
 def _chunk_bytes(engine) -> int:
     """The pipeline's chunk (the multi-host engine's; the configured one on one host)."""
-    multidim = getattr(engine, "multidim", None)
-    return multidim.chunk_bytes if multidim is not None else config.get("DDL_CHUNK_BYTES")
+    if isinstance(engine, DimsEngine):
+        return engine.multidim.chunk_bytes
+    return config.get("DDL_CHUNK_BYTES")
 
 
 def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost.Profile:
