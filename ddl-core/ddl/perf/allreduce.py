@@ -39,7 +39,7 @@ from .collectives import (  # noqa: F401  (re-exported: ``ar.Counts`` and co)
     parse_dtype,
     rank_input,
 )
-from .roofline import Bandwidth, fraction, host_bandwidth
+from .roofline import Bandwidth, bound_seconds, fraction, host_bandwidth
 from .sizes import parse_size, sweep  # noqa: F401  (re-exported)
 from .worker import Null
 
@@ -356,8 +356,6 @@ def run_job(cfg: Config, engines: Sequence[Any], harness: Any,
 
 
 def bound_us(bw: Bandwidth, cfg: Config, size: int, nranks: int, in_place: bool) -> float:
-    from .roofline import bound_seconds
-
     return bound_seconds(bw, cfg.collective, size, nranks, in_place) * 1e6
 
 
