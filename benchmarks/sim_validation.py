@@ -37,6 +37,8 @@ from ddl import config, cost  # noqa: E402
 from ddl.perf import simulate  # noqa: E402
 from ddl.perf.calibrate import DEFAULT_SIZES  # noqa: E402
 
+WINDOW_S = 0.5  # seconds of back-to-back calls per timed repetition, both sides
+
 
 def _ddlrun(cluster: Cluster, nhosts: int, per: int, opts: list[str], argv: list[str],
             timeout: float) -> subprocess.CompletedProcess:
@@ -56,19 +58,24 @@ def validate(cluster: Cluster, tmp: Path, nhosts: int, per: int, sizes: str = "1
              timeout: float = 600) -> tuple[cost.Profile, list[dict]]:
     """Calibrate, measure, predict: (profile, one row per size with measured_s,
     predicted_s and error = predicted / measured - 1). Measured: allreduce_worker.py's median
-    over ``iters`` repetitions of back-to-back calls filling 0.5 s each (the benchmark's
-    harness, robust to the odd slow call on a shared machine)."""
+    over ``iters`` repetitions of back-to-back calls filling ``WINDOW_S`` each (the
+    benchmark's harness, robust to the odd slow call on a shared machine); calibrated over
+    windows as long."""
     from ddl.perf.sizes import size_list
 
     profile_path = tmp / f"profile-{nhosts}x{per}.json"
+    # calibrate times its calls in windows as long as the measurement's (WINDOW_S): on a
+    # shared machine a longer window takes in more of the other jobs' interruptions, and
+    # the median of shorter ones fewer (at 1 KiB across hosts, 20-30% apart)
     _ddlrun(cluster, nhosts, per, [], ["-m", "ddl.perf.cli", "calibrate", "-o",
                                        str(profile_path), "--sizes", cal_sizes, "-n",
-                                       str(2 * iters + 1)], timeout)
+                                       str(2 * iters + 1), "--min-seconds", str(WINDOW_S)],
+            timeout)
     res = _ddlrun(cluster, nhosts, per,
                   ["--mode", f"b:{per}x{nhosts}", "-x", f"DDL_COST_PROFILE={profile_path}"],
                   [str(REPO / "benchmarks" / "allreduce_worker.py"), "--engine", "ddl",
                    "--sizes", ",".join(map(str, size_list(sizes))), "--reps", str(iters),
-                   "--target-seconds", "0.5"], timeout)
+                   "--target-seconds", str(WINDOW_S)], timeout)
     measured = [json.loads(m.group(1)) for m in
                 re.finditer(r"^(?:\[[\d,]+\]\S* ?)?(\{.*\})$", res.stdout, re.M)]
     profile = cost.load_profile(str(profile_path))
@@ -120,7 +127,7 @@ def markdown(nhosts: int, per: int, rate: str, profile: cost.Profile, rows: list
            format_profile(profile), "```", "",
            "| size | measured ms | predicted ms | error | each round | algorithms |",
            "|---|---|---|---|---|---|"]
-    from ddl.perf.plot import size_label
+    from ddl.perf.sizes import size_label
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.3g}" if seconds < 0.1 else f"{seconds * 1e3:.1f}"

@@ -21,6 +21,20 @@ class Link:
     alpha: float  # seconds per message step (latency + software overhead)
     beta: float  # seconds per byte on the wire
     gamma: float = 1 / 3e9  # seconds per byte reduced (one core's np.add)
+    # Message sizes that cost otherwise: (from bytes, to bytes, alpha, beta, gamma), sizes
+    # in [from, to) priced with those. The shared-memory engine reduces in one step up to
+    # DDL_SHM_SMALL_BYTES and reduce-scatters above; from some MiB its data leaves the
+    # last-level cache (and with DDL_SHM_CMA=1 it reads its peers' buffers from 8 MiB); one
+    # line alpha + beta x size follows none of these well across all of them
+    # (docs/performance.md, simulator validation). Empty: one line for every size.
+    regimes: tuple[tuple[float, float, float, float, float], ...] = ()
+
+    def at(self, nbytes: float) -> Link:
+        """The link as a message of ``nbytes`` sees it (its regime's alpha, beta, gamma)."""
+        for lo, hi, alpha, beta, gamma in self.regimes:
+            if lo <= nbytes < hi:
+                return Link(alpha, beta, gamma)
+        return self
 
 
 # Defaults for a dimension before anything is measured.
@@ -37,6 +51,8 @@ def allreduce_time(alg: str, n: int, nbytes: float, link: Link) -> float:
     ('ring', 'hd' = recursive halving-doubling, 'native' = the engine's own, a ring)."""
     if n <= 1:
         return 0.0
+    if link.regimes:
+        link = link.at(nbytes)
     wire = 2 * (n - 1) / n * nbytes
     reduced = (n - 1) / n * nbytes
     if alg == "hd":
@@ -215,7 +231,12 @@ class Profile:
                 "dims": [{"index": d.index, "engine": d.engine, "size": d.size,
                           "algorithm": d.algorithm, "alpha_s": d.link.alpha,
                           "beta_s_per_byte": d.link.beta,
-                          "gamma_s_per_byte": d.link.gamma} for d in self.dims],
+                          "gamma_s_per_byte": d.link.gamma,
+                          **({"regimes": [{"from_bytes": lo, "to_bytes": _finite_or_none(hi),
+                                           "alpha_s": a, "beta_s_per_byte": b,
+                                           "gamma_s_per_byte": g}
+                                          for lo, hi, a, b, g in d.link.regimes]}
+                             if d.link.regimes else {})} for d in self.dims],
                 "call_overhead_s": self.call_overhead_s, "round_s": self.round_s,
                 "measured": list(self.measured)}
 
@@ -236,8 +257,12 @@ def profile_from_json(doc: object, where: str) -> Profile:
         try:
             alpha, beta = float(row["alpha_s"]), float(row["beta_s_per_byte"])
             gamma = float(row.get("gamma_s_per_byte", Link(0, 0).gamma))
+            regimes = _regimes_from_json(row.get("regimes", []), bad, k, gamma)
             dim = DimProfile(int(row.get("index", k)), str(row["engine"]), int(row["size"]),
-                             str(row.get("algorithm", "native")), Link(alpha, beta, gamma))
+                             str(row.get("algorithm", "native")),
+                             Link(alpha, beta, gamma, regimes))
+        except DDLConfigError:
+            raise  # the regimes' own message (it is a ValueError too)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise bad(f"dims[{k}] needs engine, size, alpha_s, beta_s_per_byte: "
                       f"{exc!r}") from None
@@ -255,6 +280,40 @@ def profile_from_json(doc: object, where: str) -> Profile:
         seconds.append(float(value))
     return Profile(str(doc.get("machine", "")), tuple(dims), tuple(doc.get("measured", ())),
                    *seconds)
+
+
+def _regimes_from_json(rows: object, bad, k: int, gamma: float
+                       ) -> tuple[tuple[float, float, float, float, float], ...]:
+    """A dimension's ``regimes`` (Link.regimes): from_bytes < to_bytes (null: no upper
+    end), alpha, beta and gamma (default: the dimension's) finite and >= 0, in order and
+    not overlapping."""
+    if not isinstance(rows, list):
+        raise bad(f"dims[{k}].regimes must be a list")
+    out = []
+    for row in rows:
+        try:
+            lo, hi, alpha, beta, g = _regime(row, gamma)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise bad(f"dims[{k}].regimes: each needs from_bytes, to_bytes, alpha_s, "
+                      f"beta_s_per_byte: {exc!r}") from None
+        if not (0 <= lo < hi and math.isfinite(lo) and min(alpha, beta, g) >= 0
+                and all(map(math.isfinite, (alpha, beta, g)))):
+            raise bad(f"dims[{k}].regimes: want 0 <= from_bytes < to_bytes and alpha, beta, "
+                      f"gamma finite and >= 0, got {row!r}")
+        if out and lo < out[-1][1]:
+            raise bad(f"dims[{k}].regimes must be in order of size and not overlap")
+        out.append((lo, hi, alpha, beta, g))
+    return tuple(out)
+
+
+def _regime(row: dict, gamma: float) -> tuple[float, float, float, float, float]:
+    hi = math.inf if row["to_bytes"] is None else float(row["to_bytes"])
+    return (float(row["from_bytes"]), hi, float(row["alpha_s"]),
+            float(row["beta_s_per_byte"]), float(row.get("gamma_s_per_byte", gamma)))
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no infinity
 
 
 def load_profile(path: str) -> Profile:

@@ -75,6 +75,96 @@ def test_the_fit_holds_the_measured_reduction_speed():
     assert g == pytest.approx(1e-3 / (1 << 20)) and len(barriers) == 3  # the best of 3
 
 
+def test_each_path_of_the_engine_gets_its_own_line():
+    """The shared-memory engine runs one step up to 64 KiB, stages through its slots below
+    8 MiB and reads its peers' buffers from there: three costs one line cannot follow (one
+    host's simulator missed 16 and 64 MiB by a third). With the engine's bounds the fit
+    gives each measured path its own alpha and beta, and the model prices each size on its
+    path; a path measured at one size goes through it with the whole fit's alpha; one not
+    measured at all takes the whole fit's line."""
+    paths = [(0, 65537, cost.Link(2e-6, 1 / 9e9)), (65537, 8 << 20, cost.Link(4e-6, 1 / 50e9)),
+             (8 << 20, math.inf, cost.Link(2e-6, 1 / 8e9))]
+    sizes = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+    def truth(s):
+        link = next(lk for lo, hi, lk in paths if lo <= s < hi)
+        return cost.allreduce_time("shm", 2, s, link)
+
+    times = [truth(s) for s in sizes]
+    bounds = (65537, 8 << 20)
+    got = calibrate.fit_link("shm", 2, sizes, times, bounds=bounds)
+    assert [(lo, hi) for lo, hi, *_ in got.regimes] == [(lo, hi) for lo, hi, _ in paths]
+    for (_, _, alpha, beta, _), (_, _, lk) in zip(got.regimes, paths, strict=True):
+        assert (alpha, beta) == pytest.approx((lk.alpha, lk.beta), rel=1e-6)
+    for s in sizes + [3 << 10, 2 << 20, 256 << 20]:  # between and beyond the measured sizes
+        assert cost.allreduce_time("shm", 2, s, got) == pytest.approx(truth(s), rel=1e-6)
+    one_line = calibrate.fit_link("shm", 2, sizes, times)
+    assert not one_line.regimes
+    assert max(abs(cost.allreduce_time("shm", 2, s, one_line) / t - 1)
+               for s, t in zip(sizes, times, strict=True)) > 0.25  # what the paths fix
+    # 16 MiB the only size from 8 MiB: through it, with the whole fit's alpha
+    cut = calibrate.fit_link("shm", 2, sizes[:-1], times[:-1], bounds=bounds)
+    lo, hi, alpha, beta, _ = cut.regimes[-1]
+    assert (lo, hi, alpha) == (8 << 20, math.inf, cut.alpha)
+    assert cost.allreduce_time("shm", 2, 16 << 20, cut) == pytest.approx(truth(16 << 20))
+    # nothing below 64 KiB measured: those sizes take the whole line
+    upper = calibrate.fit_link("shm", 2, sizes[2:], times[2:], bounds=bounds)
+    assert [r[0] for r in upper.regimes] == [65537, 8 << 20]
+    assert upper.at(1024) is upper
+    assert cost.allreduce_time("shm", 2, 1024, upper) == pytest.approx(
+        cost.allreduce_time("shm", 2, 1024, cost.Link(upper.alpha, upper.beta, upper.gamma)))
+    # the profile keeps them (JSON has no infinity: the open end is null) and says them
+    rows = [{"dim": 0, "engine": "shm", "size": 2, "algorithm": "shm", "bytes": s,
+             "seconds": t} for s, t in zip(sizes, times, strict=True)]
+    prof = calibrate.fit_profile(rows, "box", bounds={0: bounds})
+    assert prof.dims[0].link == got
+    text = json.dumps(prof.to_json(), allow_nan=False)
+    assert cost.profile_from_json(json.loads(text), "doc") == prof
+    report = calibrate.format_profile(prof)
+    assert "<= 64 KiB:" in report and "> 64 KiB, < 8 MiB:" in report and ">= 8 MiB:" in report
+    assert "0.0%" in report  # every size on its own path's line
+    assert calibrate.shm_bounds(object()) == ()  # not the shared-memory engine: one line
+    # in the caches the reduction outruns np.add measured from memory: that path's slope
+    # is all reduction (its own gamma, beta 0), not all latency (a flat line)
+    cached = cost.Link(5e-6, 0.0, gamma=1 / 40e9)
+    mid = [256 << 10, 1 << 20, 4 << 20]
+    fast = calibrate.fit_link("shm", 2, mid, [cost.allreduce_time("shm", 2, s, cached)
+                                              for s in mid], gamma=1 / 12e9, bounds=bounds)
+    assert fast.regimes[0][2:] == pytest.approx((cached.alpha, 0.0, cached.gamma))
+    # one size on that path: through it all the same (its own gamma, the whole alpha)
+    alone = calibrate.fit_link("shm", 2, [16 << 10, 1 << 20, 64 << 20],
+                               [cost.allreduce_time("shm", 2, s, lk) for s, lk in
+                                ((16 << 10, cost.Link(3e-6, 1 / 9e9)), (1 << 20, cached),
+                                 (64 << 20, cost.Link(3e-6, 1 / 8e9)))],
+                               gamma=1 / 12e9, bounds=bounds)
+    assert cost.allreduce_time("shm", 2, 1 << 20, alone) == pytest.approx(
+        cost.allreduce_time("shm", 2, 1 << 20, cached))
+    # bounds that are no sizes are dropped, not written into a profile it would refuse
+    assert calibrate.fit_link("shm", 2, sizes, times, bounds=(0, -5)) == one_line
+    # the cache's edge: 2 x ranks x size past the last-level cache, as a power of two
+    assert calibrate.cache_edge(2, 32 << 20) == 8 << 20
+    assert calibrate.cache_edge(4, 32 << 20) == 4 << 20
+    assert calibrate.cache_edge(3, 36 << 20) == 4 << 20  # 6 MiB, rounded down
+    assert calibrate.cache_edge(1024, 1 << 10) == 1  # never below a byte
+
+
+@pytest.mark.parametrize("regimes,why", [
+    ({"from_bytes": 0}, "must be a list"),
+    ([{"from_bytes": 0, "to_bytes": 10}], "each needs from_bytes"),
+    ([{"from_bytes": 10, "to_bytes": 10, "alpha_s": 0, "beta_s_per_byte": 0}], "from_bytes <"),
+    ([{"from_bytes": 0, "to_bytes": 10, "alpha_s": -1, "beta_s_per_byte": 0}], "from_bytes <"),
+    ([{"from_bytes": 0, "to_bytes": 10, "alpha_s": 0, "beta_s_per_byte": 0,
+       "gamma_s_per_byte": float("inf")}], "gamma finite"),
+    ([{"from_bytes": 0, "to_bytes": None, "alpha_s": 0, "beta_s_per_byte": 0},
+      {"from_bytes": 5, "to_bytes": 10, "alpha_s": 0, "beta_s_per_byte": 0}], "overlap")])
+def test_a_profile_with_bad_regimes_is_refused(regimes, why):
+    doc = {"version": 1, "dims": [{"engine": "shm", "size": 2, "alpha_s": 1e-6,
+                                   "beta_s_per_byte": 1e-10, "regimes": regimes}]}
+    with pytest.raises(DDLConfigError, match=why) as err:
+        cost.profile_from_json(doc, "doc")
+    assert "DDLConfigError(" not in str(err.value)  # its own message, not wrapped in another
+
+
 @pytest.mark.parametrize("alg", ["ring", "hd", "native", "shm"])
 def test_one_rank_communicates_nothing(alg):
     assert cost.allreduce_time(alg, 1, 1 << 30, cost.NETWORK) == 0.0
@@ -176,7 +266,7 @@ def test_calibrate_finds_the_per_call_overhead_and_simulate_adds_it(tmp_path, ca
     got = calibrate.with_call_overhead(prof, whole([3e-3, 5e-3, 40e-3]), Engine)
     assert got.call_overhead_s == pytest.approx(5e-3)  # the median: one slow call moves nothing
     assert "per call beyond the dimensions and the identity round: 5000 us (whole calls of "\
-        "16-256 KiB)" in calibrate.format_profile(got)
+        "16 KiB to 256 KiB)" in calibrate.format_profile(got)
     assert calibrate.with_call_overhead(prof, whole([-1e-4] * 3), Engine).call_overhead_s == 0
     path = tmp_path / "p.json"
     cost.save_profile(got, str(path))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddl.perf import plot, roofline
+from ddl.perf import plot, roofline, sizes
 
 
 def test_traffic_is_every_input_read_and_every_output_written_on_the_busiest_host():
@@ -171,7 +171,7 @@ def test_stream_spans_time_every_repetition_after_a_barrier():
 
 
 def test_plot_labels_sizes_in_binary_units_and_draws_the_roofline(tmp_path):
-    assert [plot.size_label(n) for n in (8, 1024, 3 << 19, 1 << 20, 64 << 20, 1 << 30)] == [
+    assert [sizes.size_label(n) for n in (8, 1024, 3 << 19, 1 << 20, 64 << 20, 1 << 30)] == [
         "8 B", "1 KiB", "1.5 MiB", "1 MiB", "64 MiB", "1 GiB"]
     pytest.importorskip("matplotlib")
     rows = [{"engine": "ddl", "ranks": 2, "size": s, "count": s // 4, "type": "float",

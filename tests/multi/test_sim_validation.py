@@ -56,7 +56,7 @@ def test_simulator_predicts_2x2_allreduce_within_25_percent(cluster, tmp_path):
     # decides. Each prediction still comes from its own round's profile: nothing is fitted.
     attempts = []
     for attempt in range(2):
-        # calibrate as a user runs it: its default sizes, 16 KiB to 16 MiB
+        # calibrate as a user runs it: its default sizes, 1 KiB to 64 MiB
         runs, rows = validate_rounds(cluster, tmp_path / f"attempt{attempt}", nhosts=2, per=2,
                                      rounds=3, sizes="1M,4M,16M", iters=3, timeout=300)
         for profile, each in runs:

@@ -20,7 +20,11 @@ gamma measured first (``reduce_gamma``: seconds per byte of one rank's ``np.add`
 every rank of the host adds at once, the slowest rank's): for a fixed dimension size
 ``steps``, ``wire`` and ``reduced`` are constants times ``s``, so it is a straight line
 ``a + b s``, fitted by least squares on the relative error (each point weighted by 1/T, so
-4 KiB counts as much as 16 MiB), with alpha and beta constrained to be >= 0.
+4 KiB counts as much as 16 MiB), with alpha and beta constrained to be >= 0. The
+shared-memory engine's cost changes at known sizes (one step up to its small size, its
+data leaving the last-level cache, cross-memory reads where enabled); each range between
+them that was measured gets its own line (``Link.regimes``), and the line over all sizes
+prices any other.
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .. import config, cost
+from .. import api, config, cost
+from ..engines.cma import MIN_BYTES as CMA_MIN_BYTES
 from ..engines.identity_round import FOLD_BYTES
 from ..engines.multihost import DimsEngine
-from .sizes import size_list
+from ..engines.shm import ShmEngine
+from .roofline import llc_bytes
+from .sizes import size_label, size_list
 
-DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
+DEFAULT_SIZES = "1K,16K,64K,256K,1M,4M,16M,64M"
 RIDE_BYTES = 1024  # a whole call of this size rides on the identity round (Profile.round_s)
 
 
@@ -57,9 +64,57 @@ def model_factors(alg: str, n: int, gamma: float) -> tuple[float, float, float]:
 
 
 def fit_link(alg: str, n: int, sizes: Sequence[float], seconds: Sequence[float],
-             gamma: float = cost.Link(0, 0).gamma) -> cost.Link:
+             gamma: float = cost.Link(0, 0).gamma, bounds: Sequence[int] = ()) -> cost.Link:
     """alpha and beta of the Link that makes ``cost.allreduce_time(alg, n, s, link)`` closest
-    to the measured ``seconds`` (module docstring: weighted least squares, both >= 0)."""
+    to the measured ``seconds`` (module docstring: weighted least squares, both >= 0).
+    ``bounds``: sizes where the engine changes path (``Target.bounds``); each path between
+    two of them that was measured gets its own alpha and beta (``Link.regimes``): fitted
+    from its sizes when it has two or more (and where its cost grows more slowly than
+    ``gamma`` alone, the data staying in the caches, a gamma of its own with beta 0),
+    through its one size with the whole fit's alpha when it has one; a path with none is
+    priced by the whole fit."""
+    whole = _fit_line(alg, n, sizes, seconds, gamma)
+    inner = sorted({float(b) for b in bounds if b > 0})
+    if not inner:
+        return whole
+    edges = [0.0, *inner, math.inf]
+    regimes = []
+    for lo, hi in zip(edges, edges[1:]):
+        pts = [(s, t) for s, t in zip(sizes, seconds, strict=True) if lo <= s < hi]
+        if not pts:
+            continue
+        if len({s for s, _ in pts}) >= 2:
+            link = _fit_line(alg, n, [s for s, _ in pts], [t for _, t in pts], gamma,
+                             own_gamma=True)
+        else:
+            link = _through(alg, n, pts[0][0], float(np.median([t for _, t in pts])), whole)
+        regimes.append((lo, hi, link.alpha, link.beta, link.gamma))
+    return dataclasses.replace(whole, regimes=tuple(regimes))
+
+
+def _through(alg: str, n: int, size: float, seconds: float, whole: cost.Link) -> cost.Link:
+    """The line through one measured size: the whole fit's alpha and the beta that meets
+    the point; where the whole fit's reduction alone would take longer than the point (the
+    caches reduce faster), beta 0 and the gamma that meets it; where even the start is
+    longer, all alpha."""
+    steps, wire, red = model_factors(alg, n, whole.gamma)
+    if size <= 0:
+        return cost.Link(seconds / steps, 0.0, whole.gamma)
+    left = seconds - red * size - steps * whole.alpha
+    if left >= 0:
+        return cost.Link(whole.alpha, left / (wire * size), whole.gamma)
+    reduced = red / whole.gamma if whole.gamma else 0.0  # bytes reduced per byte
+    after_start = seconds - steps * whole.alpha
+    if reduced and after_start > 0:
+        return cost.Link(whole.alpha, 0.0, after_start / (reduced * size))
+    return cost.Link(seconds / steps, 0.0, 0.0 if reduced else whole.gamma)
+
+
+def _fit_line(alg: str, n: int, sizes: Sequence[float], seconds: Sequence[float],
+              gamma: float, own_gamma: bool = False) -> cost.Link:
+    """One line over every size (``fit_link`` without bounds). ``own_gamma``: when the
+    times grow more slowly than ``gamma`` alone would have them, the slope is all
+    reduction (beta 0, gamma from it) instead of all latency."""
     if n < 2:
         raise ValueError("a dimension of one rank moves nothing: nothing to fit")
     if len(sizes) != len(seconds) or len(sizes) < 2 or len(set(sizes)) < 2:
@@ -72,6 +127,10 @@ def fit_link(alg: str, n: int, sizes: Sequence[float], seconds: Sequence[float],
     y = t - red * s  # what is left for alpha and beta
     w2 = 1.0 / t**2
     a, b = _line(s, y, w2)
+    if b < 0 and own_gamma and red > 0:
+        a0, slope = _line(s, t, w2)
+        if slope >= 0 and a0 >= 0:  # faster reduction than measured from memory
+            return cost.Link(alpha=a0 / steps, beta=0.0, gamma=slope / (red / gamma))
     if b < 0:  # all latency: no measurable size dependence
         a, b = float(np.sum(w2 * y) / np.sum(w2)), 0.0
     if a < 0:  # through the origin
@@ -89,16 +148,18 @@ def _line(x: np.ndarray, y: np.ndarray, w2: np.ndarray) -> tuple[float, float]:
 
 
 def fit_profile(rows: list[dict], machine: str,
-                gamma: float = cost.Link(0, 0).gamma) -> cost.Profile:
+                gamma: float = cost.Link(0, 0).gamma,
+                bounds: dict[int, Sequence[int]] | None = None) -> cost.Profile:
     """One DimProfile per dimension from the measured rows
     ({"dim", "engine", "size", "algorithm", "bytes", "seconds"}), with ``gamma`` the
-    seconds per byte reduced (``reduce_gamma``; default: the model's)."""
+    seconds per byte reduced (``reduce_gamma``; default: the model's) and ``bounds`` each
+    dimension's path changes (``Target.bounds``; default: none, one line)."""
     dims = []
     for index in sorted({r["dim"] for r in rows}):
         mine = [r for r in rows if r["dim"] == index]
         first = mine[0]
         link = fit_link(first["algorithm"], first["size"], [r["bytes"] for r in mine],
-                        [r["seconds"] for r in mine], gamma)
+                        [r["seconds"] for r in mine], gamma, (bounds or {}).get(index, ()))
         dims.append(cost.DimProfile(index, first["engine"], first["size"], first["algorithm"],
                                     link))
     return cost.Profile(machine, tuple(dims), tuple(rows))
@@ -113,21 +174,24 @@ class Target:
     size: int
     algorithm: str
     run: Callable[[np.ndarray], None]
+    # message sizes where the engine takes another path (fit_link's regimes)
+    bounds: tuple[int, ...] = ()
 
 
 def targets(engine) -> list[Target]:
     """The dimensions of the job's engine (ddl.api.job_engine()), innermost first."""
     from ..algorithms.dims import GroupDim, ShmDim
     from ..dtypes import BY_NAME
-    from ..ops import ReduceOp
 
     f32 = BY_NAME["float32"]  # what ddl-perf and most gradients move
     if not isinstance(engine, DimsEngine):
         if engine.size < 2:
             return []
-        # one host: the shared-memory engine is the whole job, dimension 0
-        return [Target(0, "shm", engine.size, "shm",
-                       lambda buf: engine.allreduce(buf, buf, f32, ReduceOp.SUM, (buf.size,)))]
+        # one host: the shared-memory engine is the whole job, dimension 0, timed as the
+        # API's call (its own cost is part of every call here, and grows with the size
+        # as its bookkeeping shares the caches with the data: 2 us at 16 KiB, 5 at 256 KiB)
+        return [Target(0, "shm", engine.size, "shm", lambda buf: api.allreduce_(buf, "sum"),
+                       shm_bounds(engine))]
     multidim = engine.multidim
     transport = engine.name.split("/")[-1]
     out = []
@@ -135,10 +199,36 @@ def targets(engine) -> list[Target]:
         if isinstance(d, GroupDim):
             d.fixed = "native"
         outermost = k == len(multidim.dims) - 1
-        out.append(Target(d.index, "shm" if isinstance(d, ShmDim) else transport, d.size,
-                          "shm" if isinstance(d, ShmDim) else "native",
-                          _phases(d, outermost, f32)))
+        shm = isinstance(d, ShmDim)
+        out.append(Target(d.index, "shm" if shm else transport, d.size,
+                          "shm" if shm else "native", _phases(d, outermost, f32),
+                          # an inner dimension reduce-scatters: no one-step path there
+                          shm_bounds(d.engine, one_step=outermost) if shm else ()))
     return out
+
+
+def shm_bounds(engine, one_step: bool = True) -> tuple[int, ...]:
+    """Where the shared-memory engine's allreduce changes cost: above its one-step size
+    (``DDL_SHM_SMALL_BYTES``, ``one_step``) it reduce-scatters and allgathers; from
+    ``cache_edge`` its data no longer fits the last-level cache; with cross-memory reads
+    (``DDL_SHM_CMA=1``) it reads its peers' private buffers directly from
+    ``cma.MIN_BYTES``. Any other engine: none."""
+    if not isinstance(engine, ShmEngine):
+        return ()
+    bounds = {cache_edge(engine.size, llc_bytes())}
+    if one_step:
+        bounds.add(engine.small_bytes + 1)
+    if engine.cross_memory:
+        bounds.add(CMA_MIN_BYTES)
+    return tuple(sorted(bounds))
+
+
+def cache_edge(ranks: int, llc: int) -> int:
+    """The smallest message whose working set on the host stops fitting its last-level
+    cache ``llc``: every rank's buffer and its staged copy (2 x ranks x size), rounded down
+    to a power of two (2 ranks and 32 MiB: 8 MiB)."""
+    fits = max(1, llc // (2 * max(1, ranks)))
+    return 1 << (fits.bit_length() - 1)
 
 
 def _phases(d, outermost: bool, f32) -> Callable[[np.ndarray], None]:
@@ -179,7 +269,7 @@ def reduce_gamma(barrier: Callable[[], None], nbytes: int = 16 << 20, reps: int 
 def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], None],
             agree: Callable[[float], float] = lambda t: t,
             clock: Callable[[], float] = time.perf_counter,
-            min_seconds: float = 0.25, max_calls: int = 1000) -> list[tuple[int, float]]:
+            min_seconds: float = 0.25, max_calls: int = 1_000_000) -> list[tuple[int, float]]:
     """(bytes, median seconds per call on this rank) per size. Each repetition times calls
     back to back, as training issues them and as benchmarks/allreduce_worker.py measures, so
     a link shows its sustained cost (a token bucket drained, caches as they stay), not the
@@ -277,7 +367,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
                      for (b, _), t in zip(local, worst, strict=True)]
         whole = _whole_calls(api.job_engine(), sizes, args)
         if ddl.rank() == 0:
-            profile = fit_profile(rows, socket.gethostname(), gamma)
+            profile = fit_profile(rows, socket.gethostname(), gamma,
+                                  {t.index: t.bounds for t in found})
             if whole:
                 profile = with_call_overhead(profile, whole, api.job_engine())
             cost.save_profile(profile, args.output)
@@ -289,18 +380,16 @@ def calibrate_main(args: argparse.Namespace) -> int:
 
 
 def _whole_calls(engine, sizes: list[int], args: argparse.Namespace) -> list[dict]:
-    """The job's whole allreduce (``ddl.allreduce_``, its identity round and every dimension
-    at once) at the sizes of one pipeline chunk that do not ride on the round, under 1 MiB,
-    and across hosts at ``RIDE_BYTES``, which rides on the round: rows for
-    ``with_call_overhead``. On one host the call is the engine's one dimension plus the
-    API's own cost, which the sizes under 1 MiB measure just the same."""
+    """Across hosts, the job's whole allreduce (``ddl.allreduce_``, its identity round and
+    every dimension at once) at the sizes of one pipeline chunk that do not ride on the
+    round, under 1 MiB, and at ``RIDE_BYTES``, which rides on the round: rows for
+    ``with_call_overhead``. None on one host, where ``targets`` times the whole call."""
     import ddl
 
+    if not isinstance(engine, DimsEngine):
+        return []  # one host: its one dimension was timed as the whole call (targets)
     picked = [s for s in sizes if FOLD_BYTES < s < (1 << 20) and s <= _chunk_bytes(engine)]
-    if isinstance(engine, DimsEngine):
-        picked.insert(0, RIDE_BYTES)  # one that rides on the round: Profile.round_s
-    if not picked:
-        return []
+    picked.insert(0, RIDE_BYTES)  # one that rides on the round: Profile.round_s
     call = Target(-1, "call", engine.size, "multidim", lambda buf: ddl.allreduce_(buf, ddl.Sum))
     local = measure(call, picked, args.iters, ddl.barrier, _slowest,
                     min_seconds=args.min_seconds)
@@ -320,17 +409,33 @@ def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost
     """``profile`` with ``call_overhead_s``: the median over the calls of ``whole`` that do
     not ride on the identity round of what each took beyond the model's price for it on
     the fitted links (its dimensions' pipeline and its identity round), never below 0; and
-    with ``round_s``: the median of those that ride on it. Pure but for the engine's chunk
-    size."""
+    with ``round_s``: the median of those that ride on it (across hosts only: one host has
+    no round). Pure but for the engine's chunk size."""
     dims = [(d.algorithm, d.size, d.link) for d in sorted(profile.dims, key=lambda d: d.index)]
     chunk = _chunk_bytes(engine)
-    riding = [r["seconds"] for r in whole if r["bytes"] <= FOLD_BYTES]
-    left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk)
-            - cost.identity_round_time(dims) for r in whole if r["bytes"] > FOLD_BYTES]
+    round_s = cost.identity_round_time(dims)  # 0 on one host: nothing rides on a round
+
+    def rides(r: dict) -> bool:
+        return bool(round_s) and r["bytes"] <= FOLD_BYTES
+
+    riding = [r["seconds"] for r in whole if rides(r)]
+    left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk) - round_s
+            for r in whole if not rides(r)]
     return dataclasses.replace(profile, call_overhead_s=max(0.0, float(np.median(left)))
                                if left else 0.0,
                                round_s=float(np.median(riding)) if riding else 0.0,
                                measured=tuple(profile.measured) + tuple(whole))
+
+
+def regime_span(lo: float, hi: float) -> str:
+    """Sizes in [lo, hi) as people write them: '<= 64 KiB', '> 64 KiB, < 8 MiB',
+    '>= 8 MiB' (a bound one above a round size is that size's '>')."""
+    def low(x: float) -> str:
+        return f"> {size_label(x - 1)}" if x % 1024 == 1 else f">= {size_label(x)}"
+
+    if lo <= 0:
+        return f"<= {size_label(hi - 1)}" if hi % 1024 == 1 else f"< {size_label(hi)}"
+    return low(lo) if not math.isfinite(hi) else f"{low(lo)}, < {size_label(hi)}"
 
 
 def format_profile(profile: cost.Profile) -> str:
@@ -345,13 +450,18 @@ def format_profile(profile: cost.Profile) -> str:
         bw = 1 / d.link.beta / 1e9 if d.link.beta else float("inf")
         lines.append(f"  {d.index:>3} {d.engine:>6} {d.size:>4} {d.algorithm:>6} "
                      f"{d.link.alpha * 1e6:>9.2f} {bw:>13.3f} {err:>12.1%}")
+        for lo, hi, alpha, beta, gamma in d.link.regimes:
+            own = (f"  reduces at {1 / gamma / 1e9:.1f} GB/s" if gamma != d.link.gamma and gamma
+                   else "")
+            lines.append(f"      {regime_span(lo, hi):>21}: {alpha * 1e6:>9.2f} "
+                         f"{(1 / beta / 1e9 if beta else math.inf):>13.3f}{own}")
     calls = sorted(r["bytes"] for r in profile.measured
-                   if r.get("dim") == "call" and r["bytes"] > FOLD_BYTES)
+                   if r.get("dim") == "call" and (r["bytes"] > FOLD_BYTES or not profile.round_s))
     if profile.round_s:
         lines.append(f"# a call that rides on the identity round: "
                      f"{profile.round_s * 1e6:.0f} us (whole calls of {RIDE_BYTES} B)")
     if calls:
         lines.append(f"# per call beyond the dimensions and the identity round: "
                      f"{profile.call_overhead_s * 1e6:.0f} us (whole calls of "
-                     f"{calls[0] >> 10}-{calls[-1] >> 10} KiB)")
+                     f"{size_label(calls[0])} to {size_label(calls[-1])})")
     return "\n".join(lines)

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .sizes import size_label
+
 
 class PlotError(Exception):
     """A file that cannot be drawn, or no matplotlib; the message says which and why."""
@@ -102,16 +104,6 @@ def roofline_series(docs: Sequence[Any], in_place: bool = False
                     series.setdefault(label, {})[int(r["size"])] = \
                         float(r[part]["bus_bw"]) / float(frac)
     return {k: sorted(v.items()) for k, v in series.items()}
-
-
-def size_label(n: float) -> str:
-    """8 B, 1 KiB, 64 MiB: the sizes people write (binary units, as -b/-e read them)."""
-    n = float(n)
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            v = n / (1 << shift)
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def collective_title(docs: Sequence[Any], in_place: bool) -> str:

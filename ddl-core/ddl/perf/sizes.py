@@ -1,7 +1,7 @@
 """Byte sizes as ``ddl-perf`` reads them: one size (``parse_size``, nccl-tests' ``-b``/``-e``
 spelling), a comma-separated list (``size_list``, ``--sizes``) and the sweep nccl-tests
-visits (``sweep``). Standard library and ``ddl.config`` only: every ``ddl-perf`` command
-imports it.
+visits (``sweep``); and as it writes them (``size_label``). Standard library and
+``ddl.config`` only: every ``ddl-perf`` command imports it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ def parse_size(text: str) -> int:
         raise ValueError(f"invalid size {text!r}: give bytes with an optional K, M or G "
                          "suffix, e.g. 8, 64K, 128M, 1G")
     return int(float(m[1]) * _UNITS[m[2].upper()])
+
+
+def size_label(n: float) -> str:
+    """8 B, 1 KiB, 64 MiB: the sizes people write (binary units, as -b/-e read them)."""
+    n = float(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def sweep(min_bytes: int, max_bytes: int, factor: int = 1, step: int = 1 << 20) -> list[int]:
