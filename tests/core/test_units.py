@@ -237,6 +237,28 @@ def test_pieces_read_and_write_as_their_concatenation():
         copy_flat(flat, p)
 
 
+def test_overlap_checks_agree_with_numpy_for_owners_views_and_borrowed_memory():
+    """An out= call asks whether the input and the output share memory; two arrays that
+    each own theirs are told apart without numpy's exact solver, every other pair (views,
+    memory borrowed from a buffer or a tensor) still goes to it."""
+    torch = pytest.importorskip("torch")
+
+    from ddl.tensors import overlaps, same_memory
+
+    a, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+    raw = bytearray(256)
+    x, y = np.frombuffer(raw, np.float32), np.frombuffer(raw, np.float32)[8:]
+    t = torch.zeros(64)
+    tv = t.numpy()
+    pairs = [(a, a), (a, b), (a, a[:]), (a[3:40], a[20:]), (a[:10], a[10:]), (x, y), (x, x),
+             (x[:8], y), (tv, t.numpy()), (tv[:5], tv[5:]), (a[:0], a), (np.ones(0), b)]
+    for p, q in pairs:
+        assert overlaps(p, q) == (np.shares_memory(p, q) if p.size and q.size else False)
+        ptr = p.__array_interface__["data"][0]
+        same = p.size > 0 and np.may_share_memory(p, q) and ptr == q.__array_interface__["data"][0]
+        assert same_memory(p, q) == same
+
+
 @pytest.mark.parametrize("text,kind", [
     ("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 2000ms for recv operation", "timeout"),
     ("Wait timeout for key ddl/x after 2000 ms", "timeout"),
