@@ -430,6 +430,24 @@ def test_compare_puts_the_peers_in_one_table():
 
 
 @pytest.mark.slow
+def test_ddl_torch_moves_torch_cpu_tensors_bfloat16_included():
+    """What a torch program hands ddl (torch CPU tensors, which also carry bfloat16, which
+    numpy has not) measured as an engine of ddl's own: ddl-perf puts it first, checks every
+    element, and ddl on numpy still refuses bfloat16 with a line that names the way."""
+    pytest.importorskip("torch")
+    for dtype in ("float", "bfloat16"):
+        proc = _ddlrun("allreduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+                       "-d", dtype, "--compare", "ddl-torch", "--roofline", "off")
+        rows = _table(proc)
+        assert [(int(r[0]), r[2]) for r in rows] == [(1024, dtype), (4096, dtype)]
+        assert all(r[8] == "0" and r[12] == "0" for r in rows)  # #wrong, both placements
+    refused = _ddlrun("allreduce", "-b", "1K", "-e", "1K", "-d", "bfloat16")
+    assert refused.returncode != 0
+    assert "bfloat16 needs torch tensors: use -g cuda, or --compare ddl-torch" in (
+        refused.stdout + refused.stderr)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "alltoall"])
 def test_the_horovod_engine_drives_horovods_api(name, tmp_path):
     """The horovod engine through Horovod's API. Horovod itself is not installed here

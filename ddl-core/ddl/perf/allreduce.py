@@ -103,7 +103,7 @@ def footer(wrong_measurements: int, avg_busbw: float) -> list[str]:
             f"# {'Avg bus bandwidth':<20} : {avg_busbw:g} ", "#"]
 
 
-OURS = ("ddl", "ddl-heap")
+OURS = ("ddl", "ddl-heap", "ddl-torch")
 
 
 def compare_header(engines: Sequence[str], roof: bool = False

@@ -76,8 +76,9 @@ def _add_collective(sub: argparse._SubParsersAction, name: str) -> None:
                    help="where the buffers live: host memory, or this rank's GPU")
     c.add_argument("--compare", default="", metavar="ENGINES",
                    help="peers measured side by side in the same job, ratios to ddl: "
-                        "ddl-heap (ddl.malloc buffers), gloo, nccl (torch.distributed), "
-                        "mpi (mpi4py; the job must come from mpirun), horovod")
+                        "ddl-heap (ddl.malloc buffers), ddl-torch (torch CPU tensors), "
+                        "gloo, nccl (torch.distributed), mpi (mpi4py; the job must come "
+                        "from mpirun), horovod")
     c.add_argument("--engine", default="auto", choices=sorted(ENGINE_CHOICES),
                    help="what ddl runs: gloo/mpi across hosts (DDL_TRANSPORT), nccl/host "
                         "for GPU tensors (DDL_DEVICE_ENGINE); auto: ddl's choice")
@@ -160,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engines(args: argparse.Namespace) -> list[str]:
-    """ddl first (unless the list names ddl or ddl-heap itself), then the peers."""
+    """ddl first (unless the list names one of ddl's own), then the peers."""
+    from .allreduce import OURS
+
     names = list(dict.fromkeys(e for e in args.compare.split(",") if e))
-    if not any(n in ("ddl", "ddl-heap") for n in names):
+    if not any(n in OURS for n in names):
         names.insert(0, "ddl")
     return names
 

@@ -22,6 +22,7 @@ from .collectives import (
     ElementType,
     device_line,
     host_description,
+    itemsize,
 )
 
 
@@ -169,11 +170,16 @@ class Engine:
     # --- what the engine is
     def check(self, collective: str, dtype: ElementType, op: str) -> None:
         """Raise Unavailable when this engine cannot run ``collective`` on ``dtype``/``op``."""
-        if dtype.name == "bfloat16" and self.device == "cpu":
-            raise Unavailable(f"{self.name}: bfloat16 needs torch tensors: use -g cuda")
+        if dtype.name == "bfloat16" and not self.carries_bfloat16():
+            raise Unavailable(f"{self.name}: bfloat16 needs torch tensors: use -g cuda, or "
+                              "--compare ddl-torch on the host")
         if op not in self.ops:
             raise Unavailable(f"{self.name} has no '{op}' reduction (it has "
                               f"{', '.join(self.ops)})")
+
+    def carries_bfloat16(self) -> bool:
+        """numpy has no bfloat16: only torch tensors (on a GPU here) carry it."""
+        return self.device != "cpu"
 
     def describe(self) -> str:
         return f"engine {self.name}"
@@ -292,6 +298,10 @@ class Null(Engine):
 
     name = "null"
 
+    def alloc(self, count: int, dtype: ElementType) -> Any:
+        # nothing reads it: bytes of the element's size stand in for a type numpy lacks
+        return np.zeros(count * itemsize(dtype), np.uint8).view(f"V{itemsize(dtype)}")
+
     def _nothing(self, send, recv, op, root, in_place):
         return recv
 
@@ -312,6 +322,26 @@ class DDLHeap(DDL):
         buf = self.ddl.malloc((count,), dtype.numpy)
         buf[...] = 0
         return buf
+
+
+class DDLTorch(DDL):
+    """ddl on torch CPU tensors, what a torch program hands it (``ddl`` itself moves numpy
+    arrays on the host; with ``-g cuda`` it already moves torch tensors)."""
+
+    name = "ddl-torch"
+
+    def __init__(self, rank: int, size: int, device: str) -> None:
+        super().__init__(rank, size, device)
+        if device != "cpu":
+            raise Unavailable("ddl-torch is torch CPU tensors; with -g cuda the ddl engine "
+                              "already moves torch tensors")
+        try:
+            self.mem = _Torch("cpu")
+        except ImportError:
+            raise Unavailable("ddl-torch needs torch: pip install 'powerddl[torch]'") from None
+
+    def carries_bfloat16(self) -> bool:
+        return True  # torch has it on the host too
 
 
 # ----------------------------------------------------------------------- torch peers
@@ -534,7 +564,7 @@ HOROVOD_LAUNCH = (
 
 
 ENGINES: dict[str, type[Engine]] = {
-    e.name: e for e in (DDL, DDLHeap, Gloo, MPI, NCCL, Horovod)}
+    e.name: e for e in (DDL, DDLHeap, DDLTorch, Gloo, MPI, NCCL, Horovod)}
 
 
 def make_engines(names: list[str], rank: int, size: int, device: str, collective: str,
