@@ -156,7 +156,8 @@ def main() -> int:
                     help="calibrate-then-measure rounds; the medians are compared (default 3)")
     ap.add_argument("--cal-sizes", default=DEFAULT_SIZES,
                     help=f"sizes calibrate fits over (default: calibrate's, {DEFAULT_SIZES})")
-    ap.add_argument("--json", metavar="PATH", help="also write profile and rows as JSON")
+    ap.add_argument("--json", metavar="PATH", help="also write profile and rows as JSON "
+                                                   "(`ddl-perf plot` draws it)")
     a = ap.parse_args()
     why = unavailable()
     if why:
@@ -175,7 +176,9 @@ def main() -> int:
     print(markdown(a.hosts, a.per_host, a.rate, profile, rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"profile": profile.to_json(), "rows": rows,
+            json.dump({"kind": "sim-validation", "grid": f"{a.per_host}x{a.hosts}",
+                       "hosts": a.hosts, "per_host": a.per_host, "rate": a.rate,
+                       "profile": profile.to_json(), "rows": rows,
                        "rounds": [{"profile": p.to_json(), "rows": rs} for p, rs in runs]},
                       f, indent=1)
     return 0 if all(abs(r["error"]) <= 0.25 for r in rows if r["bytes"] >= 1 << 20) else 1

@@ -523,3 +523,22 @@ def test_simulate_plots_in_both_modes(tmp_path, capsys):
     assert main(["simulate", "--preset", "goyal-2017", "--plot", str(tmp_path / "s.svg")]) == 0
     svg = (tmp_path / "s.svg").read_text()
     assert "predicted: DDL multi-dim, strong" in svg and "Goyal et al." in svg
+
+
+def test_plot_draws_a_sim_validation_file(tmp_path, capsys):
+    """benchmarks/sim_validation.py --json: per grid the prediction as a line and the
+    measurement as markers, in the panel of its own kind."""
+    pytest.importorskip("matplotlib")
+    rows = [{"bytes": b, "measured_s": t, "predicted_s": t * 1.1, "error": 0.1,
+             "round_errors": [0.1]} for b, t in ((1024, 5e-6), (1 << 20, 6e-5))]
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"kind": "sim-validation", "grid": "4x2", "hosts": 2,
+                                "per_host": 4, "rows": rows}))
+    from ddl.perf import plot
+
+    assert plot.load(str(path))[0] == plot.VALIDATION
+    assert main(["plot", str(path), "-o", str(tmp_path / "v.svg")]) == 0
+    svg = (tmp_path / "v.svg").read_text()
+    assert "2 hosts x 4 ranks: predicted" in svg and "2 hosts x 4 ranks: measured" in svg
+    assert "simulator validation" in svg
+    capsys.readouterr()

@@ -29,6 +29,7 @@ class PlotError(Exception):
 
 COLLECTIVE, SCALE, SIMULATE, PROFILE = "collective", "scale", "simulate", "profile"
 SIM_SCALING = "simulate-scaling"
+VALIDATION = "sim-validation"  # benchmarks/sim_validation.py --json
 
 
 def kind_of(doc: Any) -> str:
@@ -49,9 +50,12 @@ def kind_of(doc: Any) -> str:
                             "against: plot the output of `ddl-perf scale --json`")
     if isinstance(doc, dict) and "dims" in doc and "version" in doc:
         return PROFILE  # ddl-perf calibrate -o (checked in full when drawn)
+    if isinstance(doc, dict) and doc.get("kind") == VALIDATION and "rows" in doc:
+        return VALIDATION
     raise PlotError("not a ddl-perf result: want the --json of ddl-perf allreduce (or "
                     "allgather, broadcast, reduce_scatter, alltoall), of ddl-perf scale or "
-                    "of ddl-perf simulate, or a ddl-perf calibrate profile")
+                    "of ddl-perf simulate, a ddl-perf calibrate profile or the --json of "
+                    "benchmarks/sim_validation.py")
 
 
 def load(path: str) -> tuple[str, Any]:
@@ -349,6 +353,23 @@ def draw_profile(ax: Any, docs: Sequence[dict]) -> None:
     _time_axes(ax, "calibrate: fitted model (lines) vs measured (hollow markers)")
 
 
+def draw_validation(ax: Any, docs: Sequence[dict]) -> None:
+    """benchmarks/sim_validation.py's medians: per grid the prediction as a line and the
+    measurement as hollow markers in its colour."""
+    for doc in docs:
+        rows = sorted(doc["rows"], key=lambda r: r["bytes"])
+        hosts, per = doc.get("hosts"), doc.get("per_host")
+        where = (f"{hosts} host{'s' if hosts != 1 else ''} x {per} ranks" if hosts and per
+                 else f"grid {doc.get('grid', '?')}")
+        line = ax.plot([r["bytes"] for r in rows], [r["predicted_s"] * 1e3 for r in rows],
+                       label=f"{where}: predicted")
+        ax.plot([r["bytes"] for r in rows], [r["measured_s"] * 1e3 for r in rows],
+                marker="o", markersize=7, markerfacecolor="none", markeredgewidth=1.5,
+                linestyle="none", color=line[0].get_color(), label=f"{where}: measured")
+    _time_axes(ax, "simulator validation: calibrate, then predicted (lines) vs measured "
+                   "(hollow markers), medians of rounds")
+
+
 def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) -> None:
     """Draw the loaded (kind, document) pairs into ``out`` (.png or .svg): one panel per
     kind present. Allreduce files given with a simulate file are also drawn against it,
@@ -357,7 +378,7 @@ def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) 
         raise PlotError(f"-o {out}: give a .png or .svg file name")
     Figure = _figure_cls()
     of = {kind: [d for k, d in loaded if k == kind] for kind in
-          (COLLECTIVE, SCALE, SIMULATE, SIM_SCALING, PROFILE)}
+          (COLLECTIVE, SCALE, SIMULATE, SIM_SCALING, PROFILE, VALIDATION)}
     panels = [kind for kind, docs in of.items() if docs]
     fig = Figure(figsize=(9 * len(panels), 5), layout="constrained")
     for ax, kind in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
@@ -369,6 +390,8 @@ def render(loaded: Sequence[tuple[str, Any]], out: str, in_place: bool = False) 
             draw_prediction(ax, of[kind], of[COLLECTIVE], in_place)
         elif kind == SIM_SCALING:
             draw_sim_scaling(ax, of[kind], of[SCALE])
+        elif kind == VALIDATION:
+            draw_validation(ax, of[kind])
         else:
             draw_profile(ax, of[kind])
     fig.savefig(out)
