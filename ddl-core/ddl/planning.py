@@ -38,8 +38,7 @@ def _output(f: tensors.Flat, out: Any, inplace: bool, what: str) -> tuple[Any, t
     if out is None:
         return tensors.empty_like(f)
     g = tensors.writable(tensors.flatten(out, name="out"), what, "out")
-    # dtypes are the table's own objects: identity first (their == compares every field)
-    if (g.dtype is not f.dtype and g.dtype != f.dtype) or g.array.size != f.array.size:
+    if g.dtype is not f.dtype or g.array.size != f.array.size:
         raise DDLConfigError(
             f"{what}: out has {g.dtype.name}[{g.array.size}] but the input is "
             f"{f.dtype.name}[{f.array.size}]"

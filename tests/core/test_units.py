@@ -237,6 +237,19 @@ def test_pieces_read_and_write_as_their_concatenation():
         copy_flat(flat, p)
 
 
+def test_a_dtype_is_its_table_entry_whatever_copies_it():
+    """Dtypes compare by identity (every call's checks); a copy or a pickle round trip
+    gives the table's own entry back, so they still compare equal."""
+    import copy
+    import pickle
+
+    for d in BY_NAME.values():
+        assert pickle.loads(pickle.dumps(d)) is d and copy.deepcopy(d) is d
+        assert copy.copy(d) is d and d == BY_NAME[d.name]
+    assert BY_NAME["float32"] != BY_NAME["float64"]
+    assert len({hash(d) for d in BY_NAME.values()}) == len(BY_NAME)
+
+
 def test_overlap_checks_agree_with_numpy_for_owners_views_and_borrowed_memory():
     """An out= call asks whether the input and the output share memory; two arrays that
     each own theirs are told apart without numpy's exact solver, every other pair (views,

@@ -409,18 +409,13 @@ def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost
     """``profile`` with ``call_overhead_s``: the median over the calls of ``whole`` that do
     not ride on the identity round of what each took beyond the model's price for it on
     the fitted links (its dimensions' pipeline and its identity round), never below 0; and
-    with ``round_s``: the median of those that ride on it (across hosts only: one host has
-    no round). Pure but for the engine's chunk size."""
+    with ``round_s``: the median of those that ride on it. Across hosts only (one host
+    times its whole call as its dimension). Pure but for the engine's chunk size."""
     dims = [(d.algorithm, d.size, d.link) for d in sorted(profile.dims, key=lambda d: d.index)]
     chunk = _chunk_bytes(engine)
-    round_s = cost.identity_round_time(dims)  # 0 on one host: nothing rides on a round
-
-    def rides(r: dict) -> bool:
-        return bool(round_s) and r["bytes"] <= FOLD_BYTES
-
-    riding = [r["seconds"] for r in whole if rides(r)]
-    left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk) - round_s
-            for r in whole if not rides(r)]
+    riding = [r["seconds"] for r in whole if r["bytes"] <= FOLD_BYTES]
+    left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk)
+            - cost.identity_round_time(dims) for r in whole if r["bytes"] > FOLD_BYTES]
     return dataclasses.replace(profile, call_overhead_s=max(0.0, float(np.median(left)))
                                if left else 0.0,
                                round_s=float(np.median(riding)) if riding else 0.0,
@@ -456,7 +451,7 @@ def format_profile(profile: cost.Profile) -> str:
             lines.append(f"      {regime_span(lo, hi):>21}: {alpha * 1e6:>9.2f} "
                          f"{(1 / beta / 1e9 if beta else math.inf):>13.3f}{own}")
     calls = sorted(r["bytes"] for r in profile.measured
-                   if r.get("dim") == "call" and (r["bytes"] > FOLD_BYTES or not profile.round_s))
+                   if r.get("dim") == "call" and r["bytes"] > FOLD_BYTES)
     if profile.round_s:
         lines.append(f"# a call that rides on the identity round: "
                      f"{profile.round_s * 1e6:.0f} us (whole calls of {RIDE_BYTES} B)")
