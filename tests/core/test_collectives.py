@@ -80,3 +80,19 @@ def test_cross_memory_only_when_every_rank_agrees():
     per_rank = [{"DDL_SHM_CMA": "1"}, {"DDL_SHM_CMA": "0"}, {"DDL_SHM_CMA": "1"}]
     _check(run_worker("collectives.py", 3, "0,5,70000,300001", per_rank_env=per_rank), 200,
            cma=False)
+
+
+def test_ranks_with_another_one_step_bound_stop_at_start():
+    """DDL_SHM_SMALL_BYTES decides whether a call takes one step or reduce-scatters: a
+    rank with 4K against one with 64K stepped through a 16 KiB allreduce otherwise than
+    its peer, took its result from steps that did not match, and the job failed later
+    blaming another call (float32[70001] against float32[1000]). It is compared when the
+    ranks attach."""
+    per_rank = [{"DDL_SHM_SMALL_BYTES": "64K"}, {"DDL_SHM_SMALL_BYTES": "4K"}]
+    res = run_worker("collectives.py", 2, "1000,4097,70001", per_rank_env=per_rank,
+                     env=dict(DDL_INIT_TIMEOUT="10"), timeout=120)
+    assert res[1].returncode == 1
+    assert ("the ranks on this host differ in DDL_SHM_SMALL_BYTES: local rank 0 made "
+            in res[1].stderr and "with 65536, this rank has 4096" in res[1].stderr), \
+        res[1].stderr[-2000:]
+    assert "DDLMismatchError" not in res[0].stderr + res[1].stderr

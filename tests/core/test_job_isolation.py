@@ -364,8 +364,8 @@ def test_a_rank_that_maps_the_segment_while_it_is_being_sized_maps_it_again():
     job, token = new_job_id("sizing"), 4242
     slot = shm.staging_slot(64 << 10, 32 << 20, 2)
     name = segments.segment_name(job, 0, "ctl", identity.job_secret())
-    words = [shm._MAGIC, shm._LAYOUT, 2, slot, os.getpid(), 1, token]
-    path = _plant(name, os.geteuid(), 0o600, struct.pack("<7q", *words))
+    words = [shm._MAGIC, shm._LAYOUT, 2, slot, os.getpid(), 1, token, 64 << 10]
+    path = _plant(name, os.geteuid(), 0o600, struct.pack("<8q", *words))
     total = -(-(shm._HDR + 2 * shm._BLOCK) // 4096) * 4096 + 2 * 2 * slot
     grow = threading.Timer(0.3, os.truncate, (path, total))
     grow.start()

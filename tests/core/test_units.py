@@ -382,3 +382,28 @@ def test_every_spelling_is_a_documented_def_and_runs():
                 fn(x, bogus=1)
     finally:
         ddl.shutdown()
+
+
+def test_a_setting_that_differs_is_named_alike_on_every_rank():
+    from ddl.engines import agreement
+
+    def rows(*per_rank):
+        return np.array([[s.word for s in r] for r in per_rank], np.int64)
+
+    def mine(chunk, profile):
+        return [agreement.number("DDL_CHUNK_BYTES", chunk),
+                agreement.digest("DDL_COST_PROFILE links", (1e-3, profile), f"/p{profile}")]
+
+    same = rows(mine(1 << 20, 1.0), mine(1 << 20, 1.0), mine(1 << 20, 1.0))
+    assert agreement.disagreement(mine(1 << 20, 1.0), same, (4, 5, 6), 4) is None
+    # the first setting that differs, the first rank that differs from the group's first
+    odd = rows(mine(1 << 20, 1.0), mine(1 << 20, 2.0), mine(64 << 10, 2.0))
+    why = agreement.disagreement(mine(1 << 20, 1.0), odd, (4, 5, 6), 5)
+    assert why.startswith("rank 5: ") and "different DDL_CHUNK_BYTES" in why
+    assert "rank 4 has 1048576, rank 6 has 65536" in why
+    odd = rows(mine(1 << 20, 1.0), mine(1 << 20, 2.0), mine(1 << 20, 2.0))
+    why = agreement.disagreement(mine(1 << 20, 2.0), odd, (4, 5, 6), 6)
+    assert "rank(s) [5, 6] read other values than rank 4; this rank: /p2.0" in why
+    # the digest is a non-negative int64 and the same for the same value
+    d = agreement.digest("x", (1e-3, 0.5), "")
+    assert 0 <= d.word < 1 << 63 and d.word == agreement.digest("y", (1e-3, 0.5), "").word

@@ -132,3 +132,55 @@ def test_core_calls_that_differ_across_hosts_raise_on_every_rank(n, per, mode, r
             assert r[case] == "DDLMismatchError", (r["rank"], case, r[case])
             assert r[f"{case}_after"], (r["rank"], case)
         assert "ranks on different hosts called different collectives" in r["dtype_msg"]
+
+
+def _profile(path, alpha):
+    import json
+
+    path.write_text(json.dumps({"version": 1, "machine": path.stem, "dims": [
+        {"index": 0, "engine": "gloo", "size": 4, "algorithm": "native", "alpha_s": alpha,
+         "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 3e-10}]}))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["profile", "chunk", "grid", "dump_iter"])
+def test_ranks_that_plan_with_different_settings_stop_at_start_on_every_rank(tmp_path, case):
+    """Mode b prices the algorithms with the profile each host reads (DDL_COST_PROFILE):
+    with rank 0's file a 4-rank dimension picks halving-doubling at 1 MiB, with rank 2's
+    Gloo's own; the ranks then ran different steps for the same call and hung until the
+    timeout. Every setting the steps follow from is compared at start instead."""
+    from ddl import cost
+
+    a, b = _profile(tmp_path / "a.json", 1e-3), _profile(tmp_path / "b.json", 0.0)
+    picks = {cost.best(["ring", "native", "hd"], 4, 1 << 20, cost.load_profile(p).link(0, "gloo"))
+             for p in (a, b)}
+    assert picks == {"hd", "native"}  # the two files really make different choices
+    mine, theirs = {
+        "profile": ({"DDL_COST_PROFILE": a}, {"DDL_COST_PROFILE": b}),
+        "chunk": ({"DDL_CHUNK_BYTES": "64K"}, {"DDL_CHUNK_BYTES": "1M"}),
+        "grid": ({}, {"DDL_OPTIONS": "-mode r:4"}),
+        "dump_iter": ({}, {"DDL_OPTIONS": "-mode b:4 -dump_iter 3"}),
+    }[case]
+    pre = [dict(e, **(mine if r < 2 else theirs)) for r, e in enumerate(hosts_env(4, 1))]
+    res = run_worker("collectives.py", 4, "1000,300001", per_rank_env=pre,
+                     env=dict(DDL_OPTIONS="-mode b:4", DDL_TIMEOUT="60"), timeout=120)
+    named = {"profile": "DDL_COST_PROFILE", "chunk": "DDL_CHUNK_BYTES", "grid": "-mode",
+             "dump_iter": "-dump_iter"}[case]
+    for r in res:
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "DDLConfigError" in r.stderr and "Timeout" not in r.stderr, r.stderr[-2000:]
+        assert f"plan collectives with different {named}" in r.stderr, r.stderr[-2000:]
+    if case == "profile":
+        assert "rank(s) [2, 3] read other values than rank 0" in res[0].stderr
+    if case == "chunk":
+        assert "rank 0 has 65536, rank 2 has 1048576" in res[3].stderr
+
+
+def test_the_same_profile_in_two_files_is_the_same_plan(tmp_path):
+    a = _profile(tmp_path / "a.json", 1e-3)
+    b = _profile(tmp_path / "b.json", 1e-3)
+    pre = [dict(e, DDL_COST_PROFILE=a if r < 2 else b) for r, e in enumerate(hosts_env(4, 1))]
+    res = run_worker("collectives.py", 4, "1000,300001", per_rank_env=pre,
+                     env=dict(DDL_OPTIONS="-mode b:4", CHECK_DTYPES=FEW), timeout=300)
+    reps = reports(res)
+    assert len({r["digest"] for r in reps}) == 1

@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import cost, failures
+from .. import config, cost, failures
 from .. import grid as gridmod
 from .. import timeline as _tl
 from ..algorithms.dims import GroupDim, ShmDim
 from ..algorithms.multidim import MultiDim
+from ..config import CHUNK_MIN
 from ..dtypes import BY_NAME, DType
 from ..errors import DDLError, DDLMismatchError
 from ..identity import job_secret
@@ -26,7 +27,7 @@ from ..options import Options
 from ..rendezvous import Rendezvous
 from ..tensors import Pieces, copy_flat
 from ..topology import World
-from . import identity_round
+from . import agreement, identity_round
 from .base import PeerContext, PeerGroup
 from .gloo import GlooContext
 from .shm import ShmEngine
@@ -253,6 +254,24 @@ class DimsEngine:
             self.world_group.close()  # a second close of a group a dimension uses is harmless
 
 
+def planning_settings(grid: gridmod.Grid, opts: Options, chunk_bytes: int, transport: str
+                      ) -> list[agreement.Setting]:
+    """What this rank plans a multi-host job's collectives with, for ``agreement.agree``:
+    the grid and its modes, whether ``-dump_iter`` sends small allreduces through the
+    dimensions, the pipeline's chunk, and the links mode ``b`` and sub-groups price
+    algorithms with (``cost.link_for``: the defaults, or DDL_COST_PROFILE's)."""
+    across = [d.index for d in grid.dims if not d.intra_host and d.size > 1]
+    links = [cost.link_for(i, transport) for i in across] + [cost.link_for(None, transport)]
+    profile = config.get("DDL_COST_PROFILE") or "unset (the defaults)"
+    return [
+        agreement.digest("-mode (the grid and its modes, DDL_OPTIONS)",
+                         [(d.size, d.intra_host, d.mode) for d in grid.dims], grid.describe()),
+        agreement.number("-dump_iter (DDL_OPTIONS)", opts.dump_iter),
+        agreement.number("DDL_CHUNK_BYTES", max(CHUNK_MIN, chunk_bytes)),
+        agreement.digest("DDL_COST_PROFILE links", links, profile),
+    ]
+
+
 def _differs(result: np.ndarray) -> bool:
     """A core key's MAX: its words, then the negated ones (minus the smallest): whether
     some rank's key differs from another's."""
@@ -284,9 +303,15 @@ class MultiHostEngine(DimsEngine):
             # I/O and reductions): a spinning waiter would take the cores they need. Measured
             # at 2 hosts x 2 ranks, 16 MiB: 1.45x flat Gloo with futex waits, 1.37x spinning.
             shm_kwargs = dict(shm_kwargs, wait_policy="futex")
-        dims = []
+        dims: list = []
         self._host_line = None
+        # the group of every member first: the ranks compare what they plan with over it
+        # before any dimension's group is made from a plan they might not share
+        world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
         try:
+            agreement.agree(world_group, range(world.size),
+                            planning_settings(self.grid, opts, chunk_bytes, transport),
+                            world.rank)
             for d in self.grid.dims:
                 if d.size == 1:
                     continue
@@ -300,7 +325,6 @@ class MultiHostEngine(DimsEngine):
                     group = self.ctx.group(f"d{d.index}l{d.line_id}", d.members, d.position)
                     dims.append(GroupDim(group, d.index, d.mode,
                                          cost.link_for(d.index, transport)))
-            world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
             line = gridmod.host_line(self.grid, world.rank, world.local_size)
             if line is not None and round_covers(dims, world.size) is None:
                 members, position = line
@@ -313,6 +337,7 @@ class MultiHostEngine(DimsEngine):
                 dim.close()
             if self._host_line is not None:
                 self._host_line.close()
+            world_group.close()
             raise
         super().__init__(MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
                                   timeout=timeout, dump_iter=opts.dump_iter),

@@ -152,7 +152,7 @@ class ShmEngine:
         self._seg = seg = ControlSegment(
             segments.segment_name(job_id, host_index, f"{scope}ctl", secret), job_id=job_id,
             token=token, rank=local_rank, size=n, global_rank=global_rank, slot=slot,
-            init_timeout=init_timeout)
+            small=self.small_bytes, init_timeout=init_timeout)
         # read on every step: the engine's own references
         self._slots, self._regions, self._peers = seg.slots, seg.regions, seg.peers
         self._view_cache: dict[tuple, list] = {}

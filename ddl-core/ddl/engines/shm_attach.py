@@ -49,13 +49,14 @@ from .shm_sync import (
 
 _log = logging.getLogger("ddl")
 MAGIC = 0x4C44445F4D485344  # "DSHM_DDL"
-LAYOUT = 4
+LAYOUT = 5  # 5: the header carries the one-step bound (H_SMALL)
 HDR = 4096  # header bytes
 BLOCK = 2048  # control block bytes per local rank
 W = BLOCK // 8  # words per control block
 # header words
 H_MAGIC, H_LAYOUT, H_SIZE, H_SLOT, H_PID, H_READY = range(6)
 H_TOKEN = segments.TOKEN_OFFSET // 8  # 6: where every segment carries the job's token
+H_SMALL = 7  # DDL_SHM_SMALL_BYTES as local rank 0 read it: up to it a call takes one step
 
 
 def staging_slot(slot_bytes: int, max_bytes: int, ranks: int) -> int:
@@ -85,7 +86,7 @@ class ControlSegment:
     staging slots. ``attach`` then meets the peers."""
 
     def __init__(self, name: str, *, job_id: str, token: int, rank: int, size: int,
-                 global_rank: int, slot: int, init_timeout: float):
+                 global_rank: int, slot: int, small: int, init_timeout: float):
         self.name = name
         self.job_id = job_id
         self.token = token
@@ -93,6 +94,7 @@ class ControlSegment:
         self.size = n = size
         self.global_rank = global_rank
         self.slot_bytes = slot
+        self.small_bytes = small
         self.ctl_bytes = HDR + n * BLOCK
         staging_off = -(-self.ctl_bytes // 4096) * 4096
         self.mm: mmap.mmap | None = self._create_or_attach(staging_off + 2 * n * slot,
@@ -127,6 +129,7 @@ class ControlSegment:
                     self._remove_stale_or_fail()
             q = memoryview(mm)[:HDR].cast("q")
             q[H_LAYOUT], q[H_SIZE], q[H_SLOT] = LAYOUT, self.size, self.slot_bytes
+            q[H_SMALL] = self.small_bytes
             q[H_PID] = os.getpid()
             q[H_TOKEN] = self.token
             q[H_MAGIC] = MAGIC
@@ -160,6 +163,8 @@ class ControlSegment:
     def _check_header(self, mm: mmap.mmap) -> bool:
         """Whether local rank 0 finished the header of ``mm``; raises when it did so for
         another job or for other settings."""
+        if len(mm) < HDR:  # mapped before the file had its size: map it again
+            return False
         q = memoryview(mm)[:HDR].cast("q")
         try:
             if not (q[H_READY] == 1 and q[H_MAGIC] == MAGIC and pid_alive(q[H_PID])):
@@ -171,13 +176,18 @@ class ControlSegment:
                     f"two jobs share job id {self.job_id!r}; give each its own DDL_JOB_ID "
                     "(ddlrun does)"
                 )
-            got = (q[H_LAYOUT], q[H_SIZE], q[H_SLOT])
-            if got != (LAYOUT, self.size, self.slot_bytes):
+            got = (q[H_LAYOUT], q[H_SIZE], q[H_SLOT], q[H_SMALL])
+            mine = (LAYOUT, self.size, self.slot_bytes, self.small_bytes)
+            if got != mine:
+                # a rank that stepped otherwise than its peers would pair unrelated steps
+                names = ("ddl's version (shared-memory layout)", "LOCAL_WORLD_SIZE",
+                         "DDL_SHM_SLOT_BYTES / DDL_SHM_MAX_BYTES (staging bytes per rank)",
+                         "DDL_SHM_SMALL_BYTES")
+                k = next(i for i in range(len(mine)) if got[i] != mine[i])
                 raise DDLConfigError(
-                    f"rank {self.global_rank}: shared memory {self.name} was made for "
-                    f"(layout, ranks, slot bytes) = {got}, this rank expects "
-                    f"{(LAYOUT, self.size, self.slot_bytes)}: do all ranks of the job "
-                    "have the same LOCAL_WORLD_SIZE and DDL_SHM_* settings?"
+                    f"rank {self.global_rank}: the ranks on this host differ in {names[k]}: "
+                    f"local rank 0 made {self.name} with {got[k]}, this rank has {mine[k]}; "
+                    "every rank of the job needs the same settings"
                 )
             return True
         finally:
