@@ -296,6 +296,15 @@ _VARS = [
         "grid line) or 'gloo' (torch); 'auto' takes mpi when mpirun/srun started the job",
     ),
     EnvVar(
+        "DDL_GLOO_BESIDE_MPI",
+        _bool,
+        True,
+        "on the mpi transport, modes b and p also make a Gloo group per dimension across "
+        "hosts and may run a size range on Gloo's allreduce where it is faster (p: timed at "
+        "start; b: with both engines in DDL_COST_PROFILE); only when ranks can reach rank 0's "
+        "rendezvous (MASTER_ADDR set, as ddlrun does, and torch installed); 0: MPI alone",
+    ),
+    EnvVar(
         "DDL_DEVICE_ENGINE",
         _choice("auto", "nccl", "host", "gloo"),
         "auto",

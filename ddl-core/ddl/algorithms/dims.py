@@ -52,22 +52,38 @@ EXPLORE_SIZES = (32 << 10, 1 << 20)
 class GroupDim:
     """A dimension across hosts: a Gloo (or MPI) group and the algorithm its mode picks:
     'r' ring, 'n' the engine's native collectives, 'b' the cost model's pick per message
-    size, 'p' the fastest per size range when measured at start (``explore``)."""
+    size, 'p' the fastest per size range when measured at start (``explore``).
 
-    def __init__(self, group, index: int, mode: str, link: cost.Link = cost.NETWORK):
+    ``second``: another engine's group of the same ranks (Gloo beside MPI under mpirun) and
+    its link; modes 'b' and 'p' may then pick its native collective (``"gloo:native"``) per
+    size range. Mode 'b' prices it only with a measured link (``second_link``: from
+    DDL_COST_PROFILE, else None), since the defaults cannot tell two engines apart."""
+
+    def __init__(self, group, index: int, mode: str, link: cost.Link = cost.NETWORK,
+                 second=None, second_link: cost.Link | None = None):
         self.group = group
         self.index = index
         self.size = group.size
         self.rank = group.rank
         self.mode = mode
         self.link = link
+        self.second = second
+        self.second_link = second_link
         self.fixed = {"r": "ring", "n": "native"}.get(mode)
         # mode 'p' after explore(): (largest size in bytes, algorithm), by size; the last
         # range is open
         self.picks: list[tuple[int, str]] = []
 
     def candidates(self) -> list[str]:
-        return ["ring", "native"] + (["hd"] if cost.is_pow2(self.size) else [])
+        own = ["ring", "native"] + (["hd"] if cost.is_pow2(self.size) else [])
+        if self.second is not None and (self.mode == "p" or self.second_link is not None):
+            own.append(f"{self.second.name}:native")
+        return own
+
+    def _price(self, alg: str, nbytes: int) -> float:
+        base, second = self._split(alg)
+        link = self.second_link if second else self.link
+        return cost.allreduce_time(base, self.size, nbytes, link)
 
     def choose(self, nbytes: int) -> str:
         if self.fixed:
@@ -77,7 +93,16 @@ class GroupDim:
                 if nbytes <= bound:
                     return alg
             return self.picks[-1][1]
-        return cost.best(self.candidates(), self.size, nbytes, self.link)
+        return min(self.candidates(), key=lambda a: (self._price(a, nbytes), *self._tie(a)))
+
+    def _tie(self, alg: str) -> tuple[bool, str]:
+        """Equal times go to the job's own engine, then by name: the same on every rank."""
+        return self._split(alg)[1], alg
+
+    def _split(self, alg: str) -> tuple[str, bool]:
+        """(the algorithm, whether it runs on the second engine's group)."""
+        engine, _, base = alg.rpartition(":")
+        return base, bool(engine)
 
     def describe(self, nbytes: int | None = None) -> str:
         """The algorithm for ``nbytes``; without it mode 'p''s choice per size range once
@@ -92,35 +117,38 @@ class GroupDim:
             return f"{head}/[{', '.join(parts)}]"
         return f"{head}/{self.choose(1 << 20 if nbytes is None else nbytes)}"
 
-    def _alg(self, nbytes: int, dt: DType) -> str:
-        alg = self.choose(nbytes)
-        if alg == "native" and not self.group.native_ok(dt):
-            return "ring"  # e.g. complex or uint16: ddl's own reduction handles them
-        return alg
+    def _alg(self, nbytes: int, dt: DType):
+        """(group, algorithm) for a message of ``nbytes`` of ``dt``."""
+        base, second = self._split(self.choose(nbytes))
+        group = self.second if second else self.group
+        if base == "native" and not group.native_ok(dt):
+            return self.group, "ring"  # e.g. complex or uint16: ddl's own reduction handles them
+        return group, base
 
     def reduce_scatter(self, buf: np.ndarray, counts: list[int], dt: DType, op: ReduceOp) -> None:
-        alg = self._alg(buf.nbytes, dt)
+        group, alg = self._alg(buf.nbytes, dt)
         if alg == "native":
-            self.group.allreduce(buf, dt, op)  # every segment reduced; ours is what counts
+            group.allreduce(buf, dt, op)  # every segment reduced; ours is what counts
         elif alg == "hd":
-            ring.hd_reduce_scatter(self.group, buf, counts, dt, op)
+            ring.hd_reduce_scatter(group, buf, counts, dt, op)
         else:
-            ring.ring_reduce_scatter(self.group, buf, counts, dt, op)
+            ring.ring_reduce_scatter(group, buf, counts, dt, op)
 
     def allgather(self, buf: np.ndarray, counts: list[int], dt: DType) -> None:
-        alg = self._alg(buf.nbytes, dt)
+        group, alg = self._alg(buf.nbytes, dt)
         if alg == "hd":
-            ring.hd_allgather(self.group, buf, counts)
+            ring.hd_allgather(group, buf, counts)
         elif alg == "native" and len(set(counts)) == 1:
             o = counts[0] * self.rank
             mine = buf[o : o + counts[0]].copy()
-            self.group.allgather_bytes(mine, buf)
+            group.allgather_bytes(mine, buf)
         else:
-            ring.ring_allgather(self.group, buf, counts)
+            ring.ring_allgather(group, buf, counts)
 
     def allreduce(self, buf: np.ndarray, dt: DType, op: ReduceOp) -> None:
-        if self._alg(buf.nbytes, dt) == "native":
-            self.group.allreduce(buf, dt, op)
+        group, alg = self._alg(buf.nbytes, dt)
+        if alg == "native":
+            group.allreduce(buf, dt, op)
             return
         counts = even_split(buf.size, self.size)
         self.reduce_scatter(buf, counts, dt, op)
@@ -163,10 +191,14 @@ class GroupDim:
                              strict=True))
             table[nbytes] = times
             bound = int((nbytes * sizes[i + 1]) ** 0.5) if i + 1 < len(sizes) else nbytes
-            picks.append((bound, min(times, key=lambda a: (times[a], a))))
+            picks.append((bound, min(times, key=lambda a: (times[a], *self._tie(a)))))
         self.picks = picks
         return table
 
     def close(self) -> None:
-        self.group.close()
+        try:
+            self.group.close()
+        finally:
+            if self.second is not None:
+                self.second.close()
 

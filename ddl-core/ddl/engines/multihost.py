@@ -8,6 +8,8 @@ for any set of ranks: ``MultiHostEngine`` builds it for the job from the grid pl
 
 from __future__ import annotations
 
+import importlib
+import os
 import time
 from collections.abc import Callable
 
@@ -254,14 +256,46 @@ class DimsEngine:
             self.world_group.close()  # a second close of a group a dimension uses is harmless
 
 
-def planning_settings(grid: gridmod.Grid, opts: Options, chunk_bytes: int, transport: str
-                      ) -> list[agreement.Setting]:
+def gloo_beside_mpi(grid: gridmod.Grid, rendezvous: Rendezvous | None) -> bool:
+    """Whether an MPI job also makes Gloo groups across hosts (DDL_GLOO_BESIDE_MPI): for
+    a dimension whose mode picks per size ('b', 'p'), when every rank can reach rank 0's
+    rendezvous (init joined it, or MASTER_ADDR names it: the default 127.0.0.1 is rank
+    0's only on one host) and torch is installed. Measured across two hosts under
+    mpirun: Open MPI's TCP allreduce is 10x faster than Gloo's at 4 KiB and 1.5x slower
+    at 16 MiB (docs/performance.md)."""
+    if not config.get("DDL_GLOO_BESIDE_MPI"):
+        return False
+    if not any(not d.intra_host and d.size > 1 and d.mode in "bp" for d in grid.dims):
+        return False
+    if rendezvous is None and "MASTER_ADDR" not in os.environ:
+        return False
+    try:
+        # imported now, before rank 0 opens the rendezvous: loading torch holds the
+        # interpreter for seconds, and the rendezvous's thread must greet the others
+        importlib.import_module("torch")
+    except ImportError:
+        return False
+    return True
+
+
+def measured_link(index: int, engine: str) -> cost.Link | None:
+    """DDL_COST_PROFILE's link of ``engine`` on dimension ``index`` (``Profile.link``),
+    None without one: mode b prices a second engine only from a measurement."""
+    profile = cost.env_profile()
+    return profile.link(index, engine) if profile else None
+
+
+def planning_settings(grid: gridmod.Grid, opts: Options, chunk_bytes: int, transport: str,
+                      beside: bool = False) -> list[agreement.Setting]:
     """What this rank plans a multi-host job's collectives with, for ``agreement.agree``:
     the grid and its modes, whether ``-dump_iter`` sends small allreduces through the
-    dimensions, the pipeline's chunk, and the links mode ``b`` and sub-groups price
-    algorithms with (``cost.link_for``: the defaults, or DDL_COST_PROFILE's)."""
+    dimensions, the pipeline's chunk, the links mode ``b`` and sub-groups price
+    algorithms with (``cost.link_for``: the defaults, or DDL_COST_PROFILE's), and whether
+    Gloo runs beside MPI (``beside``, with its measured links)."""
     across = [d.index for d in grid.dims if not d.intra_host and d.size > 1]
     links = [cost.link_for(i, transport) for i in across] + [cost.link_for(None, transport)]
+    if beside:
+        links += [measured_link(i, "gloo") for i in across]
     profile = config.get("DDL_COST_PROFILE") or "unset (the defaults)"
     return [
         agreement.digest("-mode (the grid and its modes, DDL_OPTIONS)",
@@ -269,6 +303,8 @@ def planning_settings(grid: gridmod.Grid, opts: Options, chunk_bytes: int, trans
         agreement.number("-dump_iter (DDL_OPTIONS)", opts.dump_iter),
         agreement.number("DDL_CHUNK_BYTES", max(CHUNK_MIN, chunk_bytes)),
         agreement.digest("DDL_COST_PROFILE links", links, profile),
+        agreement.number("Gloo beside MPI (DDL_GLOO_BESIDE_MPI, MASTER_ADDR, torch)",
+                         int(beside)),
     ]
 
 
@@ -308,10 +344,16 @@ class MultiHostEngine(DimsEngine):
         # the group of every member first: the ranks compare what they plan with over it
         # before any dimension's group is made from a plan they might not share
         world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
+        self.second_ctx: GlooContext | None = None
+        beside = transport == "mpi" and gloo_beside_mpi(self.grid, rendezvous)
         try:
             agreement.agree(world_group, range(world.size),
-                            planning_settings(self.grid, opts, chunk_bytes, transport),
+                            planning_settings(self.grid, opts, chunk_bytes, transport, beside),
                             world.rank)
+            if beside:  # every rank agreed to: all join rank 0's rendezvous
+                self.second_ctx = GlooContext(world.rank, world.size, addr, port, timeout,
+                                              secret=secret if secret else job_secret(),
+                                              rendezvous=rendezvous)
             for d in self.grid.dims:
                 if d.size == 1:
                     continue
@@ -323,8 +365,13 @@ class MultiHostEngine(DimsEngine):
                     dims.append(ShmDim(eng, d.index))
                 else:
                     group = self.ctx.group(f"d{d.index}l{d.line_id}", d.members, d.position)
+                    second = second_link = None
+                    if self.second_ctx is not None and d.mode in "bp":
+                        second = self.second_ctx.group(f"g{d.index}l{d.line_id}", d.members,
+                                                       d.position)
+                        second_link = measured_link(d.index, "gloo")
                     dims.append(GroupDim(group, d.index, d.mode,
-                                         cost.link_for(d.index, transport)))
+                                         cost.link_for(d.index, transport), second, second_link))
             line = gridmod.host_line(self.grid, world.rank, world.local_size)
             if line is not None and round_covers(dims, world.size) is None:
                 members, position = line
@@ -338,6 +385,8 @@ class MultiHostEngine(DimsEngine):
             if self._host_line is not None:
                 self._host_line.close()
             world_group.close()
+            if self.second_ctx is not None:
+                self.second_ctx.close()
             raise
         super().__init__(MultiDim(dims, world.size, world.rank, chunk_bytes=chunk_bytes,
                                   timeout=timeout, dump_iter=opts.dump_iter),
@@ -355,4 +404,8 @@ class MultiHostEngine(DimsEngine):
                 if self._host_line is not None:
                     self._host_line.close()
         finally:
-            self.ctx.close()  # the rendezvous, when the context joined its own
+            try:
+                self.ctx.close()
+            finally:
+                if self.second_ctx is not None:
+                    self.second_ctx.close()  # the rendezvous, when the context joined its own

@@ -83,6 +83,6 @@ def links_from_spec(text: str) -> list[tuple[str, cost.Link]]:
 def links_from_profile(profile: cost.Profile, ndims: int) -> list[tuple[str, cost.Link]]:
     """Dimension k takes the profile's dimension k (its engine and link); dimensions beyond
     what was measured take the outermost one."""
-    by_index = sorted(profile.dims, key=lambda d: d.index)
+    by_index = profile.job_dims()
     return [(d.engine, d.link) for d in
             (by_index[min(k, len(by_index) - 1)] for k in range(ndims))]

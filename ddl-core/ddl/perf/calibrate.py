@@ -30,6 +30,7 @@ prices any other.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import os
@@ -150,13 +151,14 @@ def _line(x: np.ndarray, y: np.ndarray, w2: np.ndarray) -> tuple[float, float]:
 def fit_profile(rows: list[dict], machine: str,
                 gamma: float = cost.Link(0, 0).gamma,
                 bounds: dict[int, Sequence[int]] | None = None) -> cost.Profile:
-    """One DimProfile per dimension from the measured rows
+    """One DimProfile per dimension and engine from the measured rows
     ({"dim", "engine", "size", "algorithm", "bytes", "seconds"}), with ``gamma`` the
     seconds per byte reduced (``reduce_gamma``; default: the model's) and ``bounds`` each
     dimension's path changes (``Target.bounds``; default: none, one line)."""
     dims = []
-    for index in sorted({r["dim"] for r in rows}):
-        mine = [r for r in rows if r["dim"] == index]
+    # per dimension and engine, in the order measured: the job's engine first (Profile.job_dims)
+    for index, engine in dict.fromkeys((r["dim"], r["engine"]) for r in rows):
+        mine = [r for r in rows if r["dim"] == index and r["engine"] == engine]
         first = mine[0]
         link = fit_link(first["algorithm"], first["size"], [r["bytes"] for r in mine],
                         [r["seconds"] for r in mine], gamma, (bounds or {}).get(index, ()))
@@ -204,6 +206,13 @@ def targets(engine) -> list[Target]:
                           "shm" if shm else "native", _phases(d, outermost, f32),
                           # an inner dimension reduce-scatters: no one-step path there
                           shm_bounds(d.engine, one_step=outermost) if shm else ()))
+        if isinstance(d, GroupDim) and d.second is not None:
+            # Gloo beside MPI: its own collective measured too, so that mode b can price
+            # both engines per size (GroupDim.second_link)
+            beside = copy.copy(d)
+            beside.fixed = f"{d.second.name}:native"
+            out.append(Target(d.index, d.second.name, d.size, "native",
+                              _phases(beside, outermost, f32)))
     return out
 
 
@@ -411,7 +420,7 @@ def with_call_overhead(profile: cost.Profile, whole: list[dict], engine) -> cost
     the fitted links (its dimensions' pipeline and its identity round), never below 0; and
     with ``round_s``: the median of those that ride on it. Across hosts only (one host
     times its whole call as its dimension). Pure but for the engine's chunk size."""
-    dims = [(d.algorithm, d.size, d.link) for d in sorted(profile.dims, key=lambda d: d.index)]
+    dims = [(d.algorithm, d.size, d.link) for d in profile.job_dims()]
     chunk = _chunk_bytes(engine)
     riding = [r["seconds"] for r in whole if r["bytes"] <= FOLD_BYTES]
     left = [r["seconds"] - cost.pipeline_time(dims, r["bytes"], chunk)
@@ -439,7 +448,8 @@ def format_profile(profile: cost.Profile) -> str:
              f"# {'dim':>3} {'engine':>6} {'size':>4} {'alg':>6} {'alpha us':>9} "
              f"{'GB/s (1/beta)':>13} {'worst fit err':>13}"]
     for d in profile.dims:
-        rows = [r for r in profile.measured if r["dim"] == d.index]
+        rows = [r for r in profile.measured
+                if r["dim"] == d.index and r.get("engine", d.engine) == d.engine]
         err = max((abs(cost.allreduce_time(d.algorithm, d.size, r["bytes"], d.link)
                        / r["seconds"] - 1) for r in rows), default=0.0)
         bw = 1 / d.link.beta / 1e9 if d.link.beta else float("inf")

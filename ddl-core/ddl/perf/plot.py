@@ -212,7 +212,7 @@ def profile_series(doc: dict, where: str = "profile"
     out = []
     for d in sorted(prof.dims, key=lambda d: d.index):
         got = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
-                     if r.get("dim") == d.index)
+                     if r.get("dim") == d.index and r.get("engine", d.engine) == d.engine)
         model = [(b, cost.allreduce_time(d.algorithm, d.size, b, d.link)) for b, _ in got]
         out.append((f"dim {d.index} ({d.engine}, {d.size} ranks)", got, model))
     calls = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
@@ -220,7 +220,7 @@ def profile_series(doc: dict, where: str = "profile"
     if calls:
         from .allreduce_model import allreduce_row
 
-        sizes = [d.size for d in sorted(prof.dims, key=lambda d: d.index)]
+        sizes = [d.size for d in prof.job_dims()]
         links = links_from_profile(prof, len(sizes))
         chunk = config.get("DDL_CHUNK_BYTES")
         model = [(b, allreduce_row(sizes, links, b, chunk, prof.call_overhead_s, prof.round_s)

@@ -285,7 +285,7 @@ def _allreduce(args: argparse.Namespace) -> int:
     if profile is not None:
         links = links_from_profile(profile, len(sizes))
         # measured on the profile's own grid; another grid's hand-offs are not known
-        if sizes == [d.size for d in sorted(profile.dims, key=lambda d: d.index)]:
+        if sizes == [d.size for d in profile.job_dims()]:
             overhead, round_s = profile.call_overhead_s, profile.round_s
         source = f"profile {args.profile or config.get('DDL_COST_PROFILE')} ({profile.machine})"
     else:
