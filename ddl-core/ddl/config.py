@@ -297,12 +297,14 @@ _VARS = [
     ),
     EnvVar(
         "DDL_GLOO_BESIDE_MPI",
-        _bool,
-        True,
-        "on the mpi transport, modes b and p also make a Gloo group per dimension across "
-        "hosts and may run a size range on Gloo's allreduce where it is faster (p: timed at "
-        "start; b: with both engines in DDL_COST_PROFILE); only when ranks can reach rank 0's "
-        "rendezvous (MASTER_ADDR set, as ddlrun does, and torch installed); 0: MPI alone",
+        _choice("auto", "1", "0"),
+        "auto",
+        "on the mpi transport, a dimension across hosts may also run a size range on Gloo's "
+        "allreduce where it is faster: 'auto' in mode p (timed at start) and in mode b where "
+        "DDL_COST_PROFILE measured both engines on it; '1' gives every b and p dimension the "
+        "Gloo group (ddl-perf calibrate sets it, to measure Gloo); '0': MPI alone. Only when "
+        "every rank can reach rank 0's rendezvous (MASTER_ADDR set, as ddlrun does) and "
+        "import torch",
     ),
     EnvVar(
         "DDL_DEVICE_ENGINE",

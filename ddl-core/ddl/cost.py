@@ -226,6 +226,11 @@ class Profile:
             return exact[0].link
         return max(same, key=lambda d: d.index).link if same else None
 
+    def exact(self, index: int, engine: str) -> Link | None:
+        """The link measured for this dimension on this engine, None if it was not."""
+        return next((d.link for d in self.dims if d.index == index and d.engine == engine),
+                    None)
+
     def job_dims(self) -> list[DimProfile]:
         """One DimProfile per dimension, by index: the engine the job ran it on (listed
         first; a second engine measured beside it, Gloo beside MPI, follows it)."""

@@ -25,7 +25,7 @@ from .devices import DeviceRouter
 from .engines.base import Engine
 from .engines.gloo import GlooContext
 from .engines.local import LocalEngine
-from .engines.multihost import DimsEngine, MultiHostEngine, gloo_beside_mpi
+from .engines.multihost import DimsEngine, MultiHostEngine, agree_gloo_beside
 from .engines.shm import ShmEngine
 from .errors import DDLConfigError, DDLError
 from .groups import Group, GroupMaker, check_ranks
@@ -84,14 +84,14 @@ def init() -> None:
         world, rdzv = _identify(world)
         try:
             kind = _engine_kind(world, opts)
-            if rdzv is None and (kind == "gloo" or kind == "mpi" and gloo_beside_mpi(
-                    grid.plan(world.rank, world.size, world.local_size, opts), None)):
-                if kind == "mpi":
-                    # MPI_Init (mpi4py's import) waits for every rank while it holds the
-                    # interpreter: done before rank 0's rendezvous must greet them
-                    importlib.import_module("mpi4py.MPI")
+            # Under MPI every rank says whether it makes Gloo groups beside MPI's, and all do
+            # or none. That first MPI call initialises MPI, which waits for every rank while
+            # it holds the interpreter: before rank 0's rendezvous must greet them.
+            beside = kind == "mpi" and agree_gloo_beside(
+                grid.plan(world.rank, world.size, world.local_size, opts), rdzv)
+            if rdzv is None and (kind == "gloo" or beside):
                 rdzv = _join(world)
-            engine = _make_engine(kind, world, opts, rdzv)
+            engine = _make_engine(kind, world, opts, rdzv, beside)
         except BaseException:
             if rdzv is not None:
                 rdzv.close()
@@ -230,9 +230,10 @@ def _shm_kwargs() -> dict[str, Any]:
 
 
 def _make_engine(kind: str, world: World, opts: options.Options,
-                 rdzv: Rendezvous | None = None) -> Engine:
+                 rdzv: Rendezvous | None = None, beside: bool = False) -> Engine:
     """The engine of ``_engine_kind``; ``rdzv``: init's rendezvous, which the multi-host
-    engine makes its groups through (it stays the session's to close)."""
+    engine makes its groups through (it stays the session's to close); ``beside``: the
+    ranks agreed to make Gloo groups beside MPI's."""
     if kind == "local":
         return LocalEngine()
     if kind == "shm":
@@ -245,7 +246,7 @@ def _make_engine(kind: str, world: World, opts: options.Options,
                            timeout=config.get("DDL_TIMEOUT"),
                            chunk_bytes=config.get("DDL_CHUNK_BYTES"),
                            shm_kwargs=_shm_kwargs(), secret=identity.job_secret(),
-                           rendezvous=rdzv)
+                           rendezvous=rdzv, beside=beside)
 
 
 def _port() -> int:

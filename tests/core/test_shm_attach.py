@@ -1,6 +1,7 @@
 """Joining a host's control segment: a rank whose settings differ from the creator's
-(slot bytes, one-step bound, ranks) fails at once with the error naming them, instead of waiting out the
-init timeout (DDLConfigError is a ValueError, which the wait for an empty file catches)."""
+(slot bytes, one-step bound, ranks) fails at once with the error naming them, instead of
+waiting out the init timeout (DDLConfigError is a ValueError, which the wait for an empty
+file catches)."""
 
 from __future__ import annotations
 

@@ -108,6 +108,8 @@ class GroupDim:
         """The algorithm for ``nbytes``; without it mode 'p''s choice per size range once
         explored (``-dbg_level`` logs it), else the choice at 1 MiB."""
         head = f"dim{self.index} x{self.size} {self.group.name}"
+        if self.second is not None:
+            head += f"+{self.second.name}"
         if nbytes is None and self.picks and not self.fixed:
             lo, parts = 0, []
             for bound, alg in self.picks[:-1]:

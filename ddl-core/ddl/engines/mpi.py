@@ -25,6 +25,12 @@ def _mpi():
     return MPI
 
 
+def all_ranks(mine: bool) -> bool:
+    """Whether every rank of COMM_WORLD says yes (initialises MPI if it was not)."""
+    MPI = _mpi()
+    return bool(MPI.COMM_WORLD.allreduce(int(mine), op=MPI.MIN))
+
+
 class MPIContext:
     """An ``engines.base.PeerContext``: groups split from COMM_WORLD."""
 

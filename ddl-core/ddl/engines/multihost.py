@@ -256,33 +256,57 @@ class DimsEngine:
             self.world_group.close()  # a second close of a group a dimension uses is harmless
 
 
-def gloo_beside_mpi(grid: gridmod.Grid, rendezvous: Rendezvous | None) -> bool:
-    """Whether an MPI job also makes Gloo groups across hosts (DDL_GLOO_BESIDE_MPI): for
-    a dimension whose mode picks per size ('b', 'p'), when every rank can reach rank 0's
-    rendezvous (init joined it, or MASTER_ADDR names it: the default 127.0.0.1 is rank
-    0's only on one host) and torch is installed. Measured across two hosts under
-    mpirun: Open MPI's TCP allreduce is 10x faster than Gloo's at 4 KiB and 1.5x slower
-    at 16 MiB (docs/performance.md)."""
-    if not config.get("DDL_GLOO_BESIDE_MPI"):
-        return False
-    if not any(not d.intra_host and d.size > 1 and d.mode in "bp" for d in grid.dims):
-        return False
+def gloo_wanted(grid: gridmod.Grid, transport: str) -> set[int]:
+    """The dimensions across hosts that get Gloo's group beside MPI's (DDL_GLOO_BESIDE_MPI):
+    'auto' those in mode 'p' (timed at start) and those in mode 'b' whose links
+    DDL_COST_PROFILE measured on both engines (``second_link``); '1' every 'b' and 'p' one
+    (calibrate, so that it can measure Gloo); '0' none. Measured across two hosts under
+    mpirun: Open MPI's TCP allreduce is 10x faster than Gloo's at 4 KiB and 1.5x slower at
+    16 MiB (docs/performance.md)."""
+    setting = config.get("DDL_GLOO_BESIDE_MPI")
+    if transport != "mpi" or setting == "0":
+        return set()
+    out = set()
+    for d in grid.dims:
+        if d.intra_host or d.size < 2 or d.mode not in "bp":
+            continue
+        if setting == "1" or d.mode == "p" or second_link(d.index, transport) is not None:
+            out.add(d.index)
+    return out
+
+
+def gloo_reachable(rendezvous: Rendezvous | None) -> bool:
+    """Whether this rank can make Gloo groups: it reaches rank 0's rendezvous (init joined
+    it, or MASTER_ADDR names it: the default 127.0.0.1 is rank 0's only on one host) and
+    torch imports. Imported now, before rank 0 opens the rendezvous: loading torch holds the
+    interpreter for seconds, and the rendezvous's thread must greet the others."""
     if rendezvous is None and "MASTER_ADDR" not in os.environ:
         return False
     try:
-        # imported now, before rank 0 opens the rendezvous: loading torch holds the
-        # interpreter for seconds, and the rendezvous's thread must greet the others
         importlib.import_module("torch")
-    except ImportError:
+    except Exception:  # noqa: BLE001 - a broken torch (CUDA libraries) is no torch here
         return False
     return True
 
 
-def measured_link(index: int, engine: str) -> cost.Link | None:
-    """DDL_COST_PROFILE's link of ``engine`` on dimension ``index`` (``Profile.link``),
-    None without one: mode b prices a second engine only from a measurement."""
+def agree_gloo_beside(grid: gridmod.Grid, rendezvous: Rendezvous | None) -> bool:
+    """Whether this MPI job makes Gloo groups beside MPI's: every rank of COMM_WORLD says
+    whether it wants them and can (the MIN over all: one that cannot keeps all on MPI
+    alone, where one rank joining a rendezvous that the others skip would wait out the
+    init timeout). Every rank of an MPI job calls it once, before the engine is made."""
+    from .mpi import all_ranks
+
+    return all_ranks(bool(gloo_wanted(grid, "mpi")) and gloo_reachable(rendezvous))
+
+
+def second_link(index: int, transport: str) -> cost.Link | None:
+    """Gloo's link on dimension ``index`` from DDL_COST_PROFILE, when it measured both
+    Gloo and the job's own engine there (mode b compares two measurements, never one
+    against the defaults); else None."""
     profile = cost.env_profile()
-    return profile.link(index, engine) if profile else None
+    if profile is None or profile.exact(index, transport) is None:
+        return None
+    return profile.exact(index, "gloo")
 
 
 def planning_settings(grid: gridmod.Grid, opts: Options, chunk_bytes: int, transport: str,
@@ -295,16 +319,17 @@ def planning_settings(grid: gridmod.Grid, opts: Options, chunk_bytes: int, trans
     across = [d.index for d in grid.dims if not d.intra_host and d.size > 1]
     links = [cost.link_for(i, transport) for i in across] + [cost.link_for(None, transport)]
     if beside:
-        links += [measured_link(i, "gloo") for i in across]
+        links += [second_link(i, transport) for i in across]
     profile = config.get("DDL_COST_PROFILE") or "unset (the defaults)"
     return [
-        agreement.digest("-mode (the grid and its modes, DDL_OPTIONS)",
+        agreement.digest("-mode (the grid and its modes, DDL_OPTIONS, laid over each "
+                         "host's LOCAL_WORLD_SIZE ranks)",
                          [(d.size, d.intra_host, d.mode) for d in grid.dims], grid.describe()),
         agreement.number("-dump_iter (DDL_OPTIONS)", opts.dump_iter),
         agreement.number("DDL_CHUNK_BYTES", max(CHUNK_MIN, chunk_bytes)),
         agreement.digest("DDL_COST_PROFILE links", links, profile),
-        agreement.number("Gloo beside MPI (DDL_GLOO_BESIDE_MPI, MASTER_ADDR, torch)",
-                         int(beside)),
+        agreement.digest("DDL_GLOO_BESIDE_MPI", sorted(gloo_wanted(grid, transport)),
+                         config.get("DDL_GLOO_BESIDE_MPI")),
     ]
 
 
@@ -318,10 +343,12 @@ def _differs(result: np.ndarray) -> bool:
 class MultiHostEngine(DimsEngine):
     def __init__(self, world: World, opts: Options, *, transport: str, addr: str, port: int,
                  timeout: float, chunk_bytes: int, shm_kwargs: dict,
-                 secret: bytes | None = None, rendezvous: Rendezvous | None = None):
+                 secret: bytes | None = None, rendezvous: Rendezvous | None = None,
+                 beside: bool = False):
         """``rendezvous``: the job's, when init joined it already (it stays init's to
         close); else one is joined at ``addr:port`` with ``secret`` (default: the job's,
-        from DDL_JOB_SECRET / DDL_JOB_SECRET_FILE)."""
+        from DDL_JOB_SECRET / DDL_JOB_SECRET_FILE). ``beside``: the ranks agreed to make
+        Gloo groups beside MPI's (``agree_gloo_beside``)."""
         self.world = world
         self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
         self.ctx: PeerContext  # what ddl.new_group makes this job's network groups from
@@ -345,12 +372,12 @@ class MultiHostEngine(DimsEngine):
         # before any dimension's group is made from a plan they might not share
         world_group = self.ctx.group("world", tuple(range(world.size)), world.rank)
         self.second_ctx: GlooContext | None = None
-        beside = transport == "mpi" and gloo_beside_mpi(self.grid, rendezvous)
         try:
             agreement.agree(world_group, range(world.size),
                             planning_settings(self.grid, opts, chunk_bytes, transport, beside),
                             world.rank)
-            if beside:  # every rank agreed to: all join rank 0's rendezvous
+            wanted = gloo_wanted(self.grid, transport) if beside else set()
+            if wanted:  # every rank agreed to (agree_gloo_beside): all join the rendezvous
                 self.second_ctx = GlooContext(world.rank, world.size, addr, port, timeout,
                                               secret=secret if secret else job_secret(),
                                               rendezvous=rendezvous)
@@ -365,13 +392,12 @@ class MultiHostEngine(DimsEngine):
                     dims.append(ShmDim(eng, d.index))
                 else:
                     group = self.ctx.group(f"d{d.index}l{d.line_id}", d.members, d.position)
-                    second = second_link = None
-                    if self.second_ctx is not None and d.mode in "bp":
-                        second = self.second_ctx.group(f"g{d.index}l{d.line_id}", d.members,
-                                                       d.position)
-                        second_link = measured_link(d.index, "gloo")
-                    dims.append(GroupDim(group, d.index, d.mode,
-                                         cost.link_for(d.index, transport), second, second_link))
+                    dim = GroupDim(group, d.index, d.mode, cost.link_for(d.index, transport))
+                    dims.append(dim)
+                    if self.second_ctx is not None and d.index in wanted:
+                        dim.second = self.second_ctx.group(f"g{d.index}l{d.line_id}",
+                                                           d.members, d.position)
+                        dim.second_link = second_link(d.index, transport)
             line = gridmod.host_line(self.grid, world.rank, world.local_size)
             if line is not None and round_covers(dims, world.size) is None:
                 members, position = line
@@ -395,8 +421,9 @@ class MultiHostEngine(DimsEngine):
 
     def close(self) -> None:
         why = failures.leaving()
-        if why and isinstance(self.ctx, GlooContext):  # before the groups close
-            self.ctx.announce_leaving(why)
+        for ctx in (self.ctx, self.second_ctx):
+            if why and isinstance(ctx, GlooContext):  # before the groups close
+                ctx.announce_leaving(why)
         try:
             try:
                 super().close()

@@ -306,8 +306,10 @@ def measure(target: Target, sizes: list[int], reps: int, barrier: Callable[[], N
 
 
 def _grid_options(grid: str | None) -> None:
-    """Mode n on the job's grid (ranks per host x hosts) unless --grid says otherwise, so
-    every dimension across hosts is its own engine group timed on its native collective."""
+    """Mode b on the job's grid (ranks per host x hosts) unless --grid says otherwise, so
+    every dimension across hosts is its own engine group, timed on its native collective
+    (``targets`` fixes it), and under MPI has Gloo's group beside it to time as well
+    (DDL_GLOO_BESIDE_MPI=1 unless the job said 0: a profile for mode b's engine choice)."""
     from .. import config, options, topology
 
     world = topology.world_from_env()
@@ -317,10 +319,12 @@ def _grid_options(grid: str | None) -> None:
         from ..grid import default_dims
 
         dims = default_dims(world.size, world.local_size)
-    if world.size < 2 or len(dims) < 2:
+    if world.size < 2:
         return
+    if config.get("DDL_GLOO_BESIDE_MPI") == "auto":
+        os.environ["DDL_GLOO_BESIDE_MPI"] = "1"
     opts = options.parse(config.get("DDL_OPTIONS"))
-    os.environ["DDL_OPTIONS"] = dataclasses.replace(opts, mode="n", grid=dims).to_string()
+    os.environ["DDL_OPTIONS"] = dataclasses.replace(opts, mode="b", grid=dims).to_string()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
