@@ -135,12 +135,14 @@ class TimedTwo(Timed):
 def test_a_second_engine_is_explored_and_its_pick_agreed_per_size_range():
     cands = ["ring", "native", "hd", "gloo:native"]
 
+    sizes = dims.EXPLORE_SIZES_TWO_ENGINES  # a third size, where bandwidth rules
+
     def clock(fast_small, fast_big):
         return {(s, a): 1e-3 * (1 if a == (fast_small if s < 1 << 20 else fast_big) else 2 + k)
-                for s in dims.EXPLORE_SIZES for k, a in enumerate(cands)}
+                for s in sizes for k, a in enumerate(cands)}
 
     def local(sec):
-        return np.array([sec[(s, a)] for s in dims.EXPLORE_SIZES for a in cands], np.float64)
+        return np.array([sec[(s, a)] for s in sizes for a in cands], np.float64)
 
     # rank 0: MPI's own allreduce fastest for small messages, Gloo's for large ones; rank 1:
     # halving-doubling for small ones: the agreed (max) times decide for both (ring small)
@@ -150,6 +152,8 @@ def test_a_second_engine_is_explored_and_its_pick_agreed_per_size_range():
     assert a.candidates() == cands
     a.explore(BY_NAME["float32"])
     b.explore(BY_NAME["float32"])
+    assert [bound for bound, _ in a.picks] == [int(((32 << 10) * (1 << 20)) ** 0.5),
+                                               int(((1 << 20) * (8 << 20)) ** 0.5), 8 << 20]
     assert a.picks == b.picks
     for nbytes in (4 << 10, 32 << 10, 1 << 20, 64 << 20):
         assert a.choose(nbytes) == b.choose(nbytes)

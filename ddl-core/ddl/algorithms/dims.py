@@ -47,6 +47,11 @@ class ShmDim:
 # bound between them is their geometric mean, 181 KiB). Smaller allreduces ride on the
 # identity round (engines/identity_round.FOLD_BYTES), not on a dimension's algorithm.
 EXPLORE_SIZES = (32 << 10, 1 << 20)
+# With two engines on the dimension (Gloo beside MPI) a third, where the link's bandwidth
+# rules: across two hosts at 1 Gbit/s the engines are within 15% at 1 MiB and 1.5x apart
+# at 16 MiB, so 1 MiB's pick does not say which streams faster (1 MiB's pick then holds up
+# to 2.8 MiB, 8 MiB's above).
+EXPLORE_SIZES_TWO_ENGINES = (32 << 10, 1 << 20, 8 << 20)
 
 
 class GroupDim:
@@ -168,12 +173,14 @@ class GroupDim:
         finally:
             self.fixed = None
 
-    def explore(self, dt: DType, sizes: tuple[int, ...] = EXPLORE_SIZES, reps: int = 3
+    def explore(self, dt: DType, sizes: tuple[int, ...] | None = None, reps: int = 3
                 ) -> dict[int, dict[str, float]]:
         """Mode 'p': time every candidate at each of ``sizes``, agree on the times (the
         max over the group: every member then picks alike from the same numbers, whatever
         its own clock said) and keep the fastest per size range. Returns the agreed
         seconds, size -> algorithm -> seconds."""
+        if sizes is None:
+            sizes = EXPLORE_SIZES if self.second is None else EXPLORE_SIZES_TWO_ENGINES
         cands = self.candidates()
         local = []
         for nbytes in sizes:
