@@ -220,16 +220,22 @@ class Profile:
         sub-group's one dimension across hosts) for this engine on any dimension, the
         outermost such: a job with more dimensions than were measured crosses at least that
         slow a link; None when the engine was never measured."""
+        found = self.exact(index, engine) if index is not None else None
+        if found is not None:
+            return found
         same = [d for d in self.dims if d.engine == engine]
-        exact = [d for d in same if d.index == index]
-        if exact:
-            return exact[0].link
         return max(same, key=lambda d: d.index).link if same else None
 
     def exact(self, index: int, engine: str) -> Link | None:
         """The link measured for this dimension on this engine, None if it was not."""
         return next((d.link for d in self.dims if d.index == index and d.engine == engine),
                     None)
+
+    def rows(self, d: DimProfile) -> list[dict]:
+        """What was measured for ``d``: its dimension on its engine (rows without an
+        engine, from profiles of one engine per dimension, are their dimension's)."""
+        return [r for r in self.measured
+                if r.get("dim") == d.index and r.get("engine", d.engine) == d.engine]
 
     def job_dims(self) -> list[DimProfile]:
         """One DimProfile per dimension, by index: the engine the job ran it on (listed

@@ -352,13 +352,13 @@ class MultiHostEngine(DimsEngine):
         self.world = world
         self.grid = gridmod.plan(world.rank, world.size, world.local_size, opts)
         self.ctx: PeerContext  # what ddl.new_group makes this job's network groups from
+        if rendezvous is None and secret is None:
+            secret = job_secret()
         if transport == "mpi":
             from .mpi import MPIContext
 
             self.ctx = MPIContext()
         else:
-            if rendezvous is None and secret is None:
-                secret = job_secret()
             self.ctx = GlooContext(world.rank, world.size, addr, port, timeout, secret=secret,
                                    rendezvous=rendezvous)
         if shm_kwargs.get("wait_policy", "auto") == "auto":
@@ -379,8 +379,7 @@ class MultiHostEngine(DimsEngine):
             wanted = gloo_wanted(self.grid, transport) if beside else set()
             if wanted:  # every rank agreed to (agree_gloo_beside): all join the rendezvous
                 self.second_ctx = GlooContext(world.rank, world.size, addr, port, timeout,
-                                              secret=secret if secret else job_secret(),
-                                              rendezvous=rendezvous)
+                                              secret=secret, rendezvous=rendezvous)
             for d in self.grid.dims:
                 if d.size == 1:
                     continue

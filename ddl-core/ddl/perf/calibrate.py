@@ -452,8 +452,7 @@ def format_profile(profile: cost.Profile) -> str:
              f"# {'dim':>3} {'engine':>6} {'size':>4} {'alg':>6} {'alpha us':>9} "
              f"{'GB/s (1/beta)':>13} {'worst fit err':>13}"]
     for d in profile.dims:
-        rows = [r for r in profile.measured
-                if r["dim"] == d.index and r.get("engine", d.engine) == d.engine]
+        rows = profile.rows(d)
         err = max((abs(cost.allreduce_time(d.algorithm, d.size, r["bytes"], d.link)
                        / r["seconds"] - 1) for r in rows), default=0.0)
         bw = 1 / d.link.beta / 1e9 if d.link.beta else float("inf")

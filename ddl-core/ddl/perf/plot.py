@@ -211,8 +211,7 @@ def profile_series(doc: dict, where: str = "profile"
         raise PlotError(str(exc)) from None
     out = []
     for d in sorted(prof.dims, key=lambda d: d.index):
-        got = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
-                     if r.get("dim") == d.index and r.get("engine", d.engine) == d.engine)
+        got = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.rows(d))
         model = [(b, cost.allreduce_time(d.algorithm, d.size, b, d.link)) for b, _ in got]
         out.append((f"dim {d.index} ({d.engine}, {d.size} ranks)", got, model))
     calls = sorted((int(r["bytes"]), float(r["seconds"])) for r in prof.measured
