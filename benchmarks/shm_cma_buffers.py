@@ -1,7 +1,8 @@
 """Where a buffer's memory came from, against the cross-memory path: ``ddl.allreduce_`` in
 place on 10.5 M float32 (42 MB) held by a numpy array, a tensor torch allocated, numpy
 memory wrapped by ``torch.from_numpy``, and a ``ddl.malloc`` array (the heap). Median ms of
-10 calls after 2 warm-ups, interleaved. Run once with ``DDL_SHM_CMA=1`` and once without:
+10 calls after 2 warm-ups, interleaved. Run with ``DDL_SHM_CMA=1`` (every buffer read in
+place), ``=0`` (every buffer staged) and without (``auto``: by page size):
 
     DDL_SHM_CMA=1 ddlrun -n 2 python benchmarks/shm_cma_buffers.py
 """

@@ -72,6 +72,11 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (0/1), got {text!r}")
 
 
+def _auto_bool(text: str) -> bool | str:
+    """``auto`` or a boolean."""
+    return "auto" if text.strip().lower() == "auto" else _bool(text)
+
+
 def _int(text: str) -> int:
     """A whole number in ASCII digits (``int`` alone also takes ``1_000`` and other
     scripts' digits)."""
@@ -256,12 +261,14 @@ _VARS = [
     ),
     EnvVar(
         "DDL_SHM_CMA",
-        _bool,
-        False,
-        "1: the ranks of a host read and write each other's private buffers of 8 MiB and "
-        "more in place (process_vm_readv/writev, probed at start; used only where the "
-        "kernel already allows it between every pair); 1.3-1.7x faster than staging for "
-        "numpy arrays, not for torch-allocated tensors (docs/performance.md)",
+        _auto_bool,
+        "auto",
+        "the ranks of a host read and write each other's private buffers of 8 MiB and more "
+        "in place (process_vm_readv/writev, probed at start; used only where the kernel "
+        "already allows it between every pair): 'auto' those on transparent huge pages "
+        "(numpy's arrays; a buffer used again, such as the gradients the DistributedOptimizer "
+        "reduces, is collapsed into huge pages once), 1 every one, 0 none (staged through "
+        "the shared slots)",
     ),
     EnvVar(
         "DDL_TORCH_SHARE_BYTES",

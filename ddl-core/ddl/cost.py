@@ -24,7 +24,7 @@ class Link:
     # Message sizes that cost otherwise: (from bytes, to bytes, alpha, beta, gamma), sizes
     # in [from, to) priced with those. The shared-memory engine reduces in one step up to
     # DDL_SHM_SMALL_BYTES and reduce-scatters above; from some MiB its data leaves the
-    # last-level cache (and with DDL_SHM_CMA=1 it reads its peers' buffers from 8 MiB); one
+    # last-level cache (and with cross-memory copies it reads its peers' buffers from 8 MiB); one
     # line alpha + beta x size follows none of these well across all of them
     # (docs/performance.md, simulator validation). Empty: one line for every size.
     regimes: tuple[tuple[float, float, float, float, float], ...] = ()

@@ -95,9 +95,14 @@ def reduce_into(
             np.copyto(out, terms[0])
     else:
         ufunc = _UFUNC[op]
-        ufunc(terms[0], terms[1], out)  # out= by position: numpy parses no keywords
-        for i in range(2, len(terms)):
-            ufunc(out, terms[i], out)
+        if ufunc is np.add or ufunc is np.multiply:
+            ufunc(terms[0], terms[1], out)  # out= by position: numpy parses no keywords
+            for i in range(2, len(terms)):
+                ufunc(out, terms[i], out)
+        else:  # numpy 2.4 deprecates a positional out for minimum and maximum
+            ufunc(terms[0], terms[1], out=out)
+            for i in range(2, len(terms)):
+                ufunc(out, terms[i], out=out)
     if op is Average and divisor != 1:
         if divisor & (divisor - 1) == 0 and out.dtype.kind == "f":
             # x * 2**-k is x / 2**k exactly (both round the same real number), and a

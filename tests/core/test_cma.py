@@ -177,3 +177,102 @@ def test_the_probe_reads_only_the_expected_word():
     assert not xmem.probe(os.getpid(), addr, cma.probe_value(11, 1))  # another rank's value
     assert not xmem.probe(os.getpid(), addr, cma.probe_value(12, 2))  # another job's
     assert not xmem.probe(os.getpid(), 0, cma.probe_value(11, 2))  # nothing published
+
+
+# ------------------------------------------------- DDL_SHM_CMA=auto: verdicts per rank
+class _Verdicts:
+    """A rank's policy answering from a table (address -> in place?), counting its calls."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, bool] = {}
+        self.calls: list[int] = []
+
+    def __call__(self, addr: int, nbytes: int) -> bool:
+        self.calls.append(addr)
+        return self.table.get(addr, False)
+
+    def close(self) -> None:
+        pass
+
+
+class _CountingMemory:
+    """The engine's cross-memory copies, recording every remote address read or written."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.reads, self.writes = inner, [], []
+
+    def read(self, pid, remote, out):
+        self.reads.append(remote)
+        self.inner.read(pid, remote, out)
+
+    def write(self, pid, remote, data):
+        self.writes.append(remote)
+        self.inner.write(pid, remote, data)
+
+
+def _within(addrs: list[int], arr: np.ndarray) -> int:
+    lo = arr.__array_interface__["data"][0]
+    return sum(lo <= a < lo + arr.nbytes for a in addrs)
+
+
+@pytest.fixture
+def three_auto():
+    engines = _engines("auto", cma_on=("auto",) * N)
+    assert all(e.cross_memory and e.hot_buffers is not None for e in engines)
+    for e in engines:
+        e._reach = _Verdicts()
+        e._xmem = _CountingMemory(e._xmem)
+    yield engines
+    _close(engines)
+
+
+def test_auto_reads_in_place_only_the_buffers_their_owners_offer(three_auto):
+    """Rank 0 offers its buffer, rank 1 does not (staged), rank 2 from its second call on:
+    the peers read rank 0's memory (and rank 2's once offered) and never rank 1's, every
+    result is right, and an in-place call asks the policy once per rank."""
+    xs = _inputs()
+    want = sum(xs)
+    three_auto[0]._reach.table[xs[0].ctypes.data] = True
+    for call in range(2):
+        if call == 1:  # the same buffers again, their inputs again; rank 2 offers now
+            three_auto[2]._reach.table[xs[2].ctypes.data] = True
+            for r, fresh in enumerate(_inputs()):
+                xs[r][:] = fresh
+        _all([lambda r=r: three_auto[r].allreduce(xs[r], xs[r], F32, ddl.Sum, (COUNT,))
+              for r in range(N)])
+        assert all(np.array_equal(x, want) for x in xs), call
+    reads = [a for e in three_auto for a in e._xmem.reads]
+    writes = [a for e in three_auto for a in e._xmem.writes]
+    assert _within(reads, xs[0]) > 0 and _within(writes, xs[0]) > 0
+    assert _within(reads, xs[1]) == 0 and _within(writes, xs[1]) == 0
+    assert _within(reads, xs[2]) > 0  # the second call only
+    assert [len(e._reach.calls) for e in three_auto] == [2, 2, 2]
+
+
+def test_auto_out_of_place_asks_for_input_and_output(three_auto):
+    xs = _inputs()
+    want = sum(xs)
+    outs = [np.empty(COUNT, np.float32) for _ in range(N)]
+    three_auto[1]._reach.table[outs[1].ctypes.data] = True  # only rank 1's output offered
+    _all([lambda r=r: three_auto[r].allreduce(xs[r], outs[r], F32, ddl.Sum, (COUNT,))
+          for r in range(N)])
+    assert all(np.array_equal(o, want) for o in outs)
+    writes = [a for e in three_auto for a in e._xmem.writes]
+    assert _within(writes, outs[1]) > 0 and _within(writes, outs[0]) == 0
+    assert [len(e._reach.calls) for e in three_auto] == [2, 2, 2]
+
+
+def test_auto_reduce_scatter_with_mixed_verdicts(three_auto):
+    xs = _inputs()
+    want = sum(xs)
+    counts = [700_000, 1_050_001, 350_000]
+    starts = [0, 700_000, 1_750_001]
+    three_auto[1]._reach.table[xs[1].ctypes.data] = True
+    outs = [np.empty(c, np.float32) for c in counts]
+    for _ in range(2):
+        _all([lambda r=r: three_auto[r].reduce_scatter(xs[r], outs[r], F32, ddl.Sum,
+                                                       (COUNT,), counts) for r in range(N)])
+        for r in range(N):
+            assert np.array_equal(outs[r], want[starts[r] : starts[r] + counts[r]]), r
+    reads = [a for e in three_auto for a in e._xmem.reads]
+    assert _within(reads, xs[1]) > 0 and _within(reads, xs[0]) == 0

@@ -19,8 +19,9 @@ def _check(results, min_checks=250, cma=None):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives_match_numpy(n):
-    """Private buffers staged through the slots (the default)."""
-    _check(run_worker("collectives.py", n), 700, cma=False)
+    """The defaults (DDL_SHM_CMA=auto: cross-memory copies agreed wherever this machine
+    allows them, and used by page size for the buffers of 8 MiB and more)."""
+    _check(run_worker("collectives.py", n), 700, cma=n > 1 and cma_possible())
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -80,6 +81,42 @@ def test_cross_memory_only_when_every_rank_agrees():
     per_rank = [{"DDL_SHM_CMA": "1"}, {"DDL_SHM_CMA": "0"}, {"DDL_SHM_CMA": "1"}]
     _check(run_worker("collectives.py", 3, "0,5,70000,300001", per_rank_env=per_rank), 200,
            cma=False)
+
+
+def _check_auto(results, forced=()):
+    """``forced``: ranks that read every buffer in place (DDL_SHM_CMA=1): no policy."""
+    reps = reports(results)
+    assert all(r["failed"] == [] for r in reps), reps
+    assert len({r["digest"] for r in reps}) == 1, "ranks got different bytes"
+    if not cma_possible():
+        assert {r["cma"] for r in reps} == {False}
+        return
+    assert {r["cma"] for r in reps} == {True}
+    for r in reps:
+        if r["rank"] in forced:
+            assert r["offered"] is None
+        elif r["scannable"] and (r["collapsible"] or not r["torch_small"]):
+            # numpy's arrays in place at once, torch's after their collapse (where its
+            # memory is on small pages and this kernel collapses them)
+            assert r["offered"] > 0, r
+            assert r["collapses"] > 0 or not r["torch_small"], r
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_large_private_buffers_by_page_size(n):
+    """DDL_SHM_CMA=auto (the default): a buffer on huge pages is read in place by the
+    peers, a reused torch tensor is collapsed into huge pages and then read in place, a
+    fresh one is staged; every dtype, in place and out of place, bit for bit."""
+    pytest.importorskip("torch")
+    _check_auto(run_worker("cma_auto.py", n, timeout=300))
+
+
+def test_large_private_buffers_with_ranks_that_choose_differently():
+    """One rank reads every buffer in place (DDL_SHM_CMA=1), the others by page size: in
+    one call some inputs are staged and some read in place."""
+    pytest.importorskip("torch")
+    per_rank = [{"DDL_SHM_CMA": "auto"}, {"DDL_SHM_CMA": "1"}, {}]
+    _check_auto(run_worker("cma_auto.py", 3, per_rank_env=per_rank, timeout=300), forced=(1,))
 
 
 def test_ranks_with_another_one_step_bound_stop_at_start():

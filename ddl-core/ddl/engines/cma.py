@@ -4,9 +4,11 @@ single-copy path does, instead of staging them through the shared slots.
 
 A buffer that is not in ddl's shared heap (a DDP bucket, any tensor the program made) then
 costs one kernel copy per reader and no synchronisation per chunk: the same walk as a heap
-buffer, two synchronisations for the whole call. Opt-in (``DDL_SHM_CMA=1``): measured
-1.3-1.7x faster than staging on numpy arrays of 8 MiB and more, but no faster on memory
-that torch's allocator gave (DDP's buckets among it), see docs/performance.md.
+buffer, two synchronisations for the whole call. Which buffers take it is
+``DDL_SHM_CMA``'s: ``auto`` (the default) those on transparent huge pages, where it is
+1.1-1.4x faster than staging at 16-64 MiB (calls back to back: 0.8-2x); on 4 KiB pages
+(torch's allocator) every page pinned makes it slower than staging (engines/hugepages.py,
+docs/performance.md).
 
 The kernel allows it only where the reader may already ptrace the owner (same user and no
 Yama restriction, or CAP_SYS_PTRACE; container seccomp profiles often refuse it): nothing
@@ -73,7 +75,7 @@ class CrossMemory:
                 raise DDLPeerError(
                     f"cannot {what} local peer pid {pid} ({nbytes} bytes at {remote:#x}): "
                     f"{os.strerror(err) if n < 0 else 'nothing moved'}; did it stop? "
-                    "(without DDL_SHM_CMA=1 private buffers are staged instead)"
+                    "(DDL_SHM_CMA=0 stages private buffers instead)"
                 )
             done += n
 

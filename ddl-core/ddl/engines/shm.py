@@ -45,6 +45,7 @@ from ..tensors import Pieces
 from . import cma as cma_mod
 from . import segments, shm_attach
 from .heap import Heap, PeerHeaps
+from .hugepages import HotBuffers, PageSizes
 from .shm_attach import ControlSegment, W, agree_cross_memory, remote_location, staging_slot
 from .shm_chunks import ChunkPlan, read, stage_inputs
 from .shm_meta import (
@@ -90,6 +91,12 @@ _MAGIC, _LAYOUT, _HDR, _BLOCK = (shm_attach.MAGIC, shm_attach.LAYOUT, shm_attach
                                  shm_attach.BLOCK)
 
 
+def _same_memory(a, b) -> bool:
+    """Whether two buffers of an allreduce are one (in place), also as two views."""
+    return a is b or (a.__class__ is b.__class__ is np.ndarray
+                      and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
 def _nothing_waiting() -> bool:
     return False
 
@@ -119,13 +126,14 @@ class ShmEngine:
         scope: str = "",
         token: int | None = None,
         dump_iter: int = 0,
-        cma: bool = False,
+        cma: bool | str = False,
         callers_waiting: Callable[[], bool] | None = None,
     ):
         """``dump_iter``: every this many allreduces, rank 0 logs their time (``-dump_iter``
         of a job on one host; in a multi-host job the multi-dimensional engine does).
         ``cma``: let peers read and write this rank's private buffers (engines/cma.py) when
-        every local rank can; False stages them. ``callers_waiting``: whether some thread
+        every local rank can: True every one from 8 MiB, ``"auto"`` those on huge pages
+        (engines/hugepages.py); False stages them. ``callers_waiting``: whether some thread
         is blocked waiting for queued collectives (ddl.runtime), so a collective run off
         the main thread may spin on the core it leaves idle; None: nothing ever waits."""
         if not 0 <= local_rank < local_size:
@@ -172,6 +180,9 @@ class ShmEngine:
         self._records = Records(seg.q, seg.qb, seg.blocks, local_rank, seg.peer_grank)
         self._idents = Identities(seg.q, seg.qb, seg.words, seg.blocks, local_rank, W)
         self._xmem = agree_cross_memory(seg, self._step, xmem)
+        # which of our private buffers the peers reach in place (None: every one)
+        self._reach: HotBuffers | None = (
+            HotBuffers(PageSizes()) if self._xmem is not None and cma == "auto" else None)
         self._scratch: dict[tuple, list[np.ndarray]] = {}  # blocks read from peers (cma)
         # the fold the next collective's first step carries (fold_identity); None once one
         # took it: its owner reads this to know whether one did
@@ -185,6 +196,12 @@ class ShmEngine:
     def cross_memory(self) -> bool:
         """Whether peers read and write this rank's private buffers in place."""
         return self._xmem is not None
+
+    @property
+    def hot_buffers(self) -> HotBuffers | None:
+        """Which private buffers peers reach in place (``cma="auto"``; None: every one
+        when ``cross_memory``, else none)."""
+        return self._reach
 
     # ------------------------------------------------------------- stepping
     def _me(self) -> str:
@@ -389,9 +406,11 @@ class ShmEngine:
         out_loc = self.heap.locate(dst) if gather and not isinstance(dst, Pieces) else 0
         if src.nbytes >= cma_mod.MIN_BYTES:  # (the same size on every rank)
             if not in_loc:
-                in_loc = remote_location(self._xmem, src)
+                in_loc = remote_location(self._xmem, src, self._reach)
             if gather and not out_loc:
-                out_loc = remote_location(self._xmem, dst)
+                # in place: one verdict (the policy counts a buffer's calls)
+                out_loc = in_loc if _same_memory(src, dst) else remote_location(
+                    self._xmem, dst, self._reach)
         if not in_loc:
             self._stage_inputs(src, p, 0, share, counts, starts, dt)
         self._first_step(s, MetaKey(coll_key(coll, op), dt.code, src.size, shape, 0, in_loc,
@@ -548,4 +567,6 @@ class ShmEngine:
             self._idents.close()
             self._slots = self._regions = None
             self._view_cache.clear()
+            if self._reach is not None:
+                self._reach.close()
             self._seg.close()

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -315,10 +316,13 @@ def agree_cross_memory(seg: ControlSegment, step: Stepper,
     return None
 
 
-def remote_location(xmem: cma_mod.CrossMemory | None, arr: np.ndarray | Pieces) -> int:
+def remote_location(xmem: cma_mod.CrossMemory | None, arr: np.ndarray | Pieces,
+                    reach: Callable[[int, int], bool] | None = None) -> int:
     """The record's location word for a private buffer the peers may reach by
-    cross-memory copies (``xmem``: the job agreed on them): minus its address; 0 where it
+    cross-memory copies (``xmem``: the job agreed on them; ``reach``: whether this buffer
+    is worth it, engines/hugepages.py; None: every one): minus its address; 0 where it
     must be staged."""
-    if xmem is None or isinstance(arr, Pieces) or not arr.flags.c_contiguous:
+    if xmem is None or isinstance(arr, Pieces) or not arr.flags.c_contiguous or not arr.nbytes:
         return 0
-    return -arr.__array_interface__["data"][0] if arr.nbytes else 0
+    addr = arr.__array_interface__["data"][0]
+    return -addr if reach is None or reach(addr, arr.nbytes) else 0

@@ -220,7 +220,7 @@ def shm_bounds(engine, one_step: bool = True) -> tuple[int, ...]:
     """Where the shared-memory engine's allreduce changes cost: above its one-step size
     (``DDL_SHM_SMALL_BYTES``, ``one_step``) it reduce-scatters and allgathers; from
     ``cache_edge`` its data no longer fits the last-level cache; with cross-memory reads
-    (``DDL_SHM_CMA=1``) it reads its peers' private buffers directly from
+    (``DDL_SHM_CMA``, agreed at start) it reads its peers' private buffers directly from
     ``cma.MIN_BYTES``. Any other engine: none."""
     if not isinstance(engine, ShmEngine):
         return ()
