@@ -152,7 +152,7 @@ def test_powerddl_renders_once_and_matches_pyproject():
     assert script[:3] == ["ddlrun --help", "ddlrun --check-build", "ddl-perf --help"]
     assert script[3].startswith("ddlrun -n 2 python -c")
     assert contents_test["package_contents"]["files"]["not_exists"] == ["**/*.pyc"]
-    assert r["about"]["license"] == PROJECT["license"]["text"]
+    assert r["about"]["license"] == PROJECT["license"]
 
 
 def test_offline_channel_holds_exactly_what_the_recipe_needs():
