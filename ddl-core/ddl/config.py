@@ -38,6 +38,8 @@ class EnvVar:
         """A value as the docs write it: sizes with their suffix (``4M``), numbers as %g."""
         if value is None:
             return ""
+        if isinstance(value, str):  # a word the parser allows beside numbers (``auto``)
+            return value
         if self.unit == "bytes":
             return show_size(value)
         if isinstance(value, float):
@@ -58,7 +60,10 @@ class EnvVar:
         return f"{span} {self.unit}".rstrip()
 
     def inside(self, value: Any) -> bool:
-        """Whether a parsed value lies within the range (NaN never does)."""
+        """Whether a parsed value lies within the range (NaN never does; a word such as
+        ``auto`` has no place in it and is always allowed)."""
+        if isinstance(value, str):
+            return True
         return ((self.low is None or value >= self.low)
                 and (self.high is None or value <= self.high))
 
@@ -112,6 +117,11 @@ def _size(text: str) -> int:
     if value < 0:
         raise ValueError("must not be negative")
     return value
+
+
+def _auto_size(text: str) -> int | str:
+    """``auto`` or bytes (``_size``)."""
+    return "auto" if text.strip().lower() == "auto" else _size(text)
 
 
 def show_size(n: int) -> str:
@@ -238,10 +248,11 @@ _VARS = [
     ),
     EnvVar(
         "DDL_SHM_SMALL_BYTES",
-        _size,
-        64 << 10,
+        _auto_size,
+        "auto",
         "messages up to this size use the one-step allreduce (every rank reduces all inputs); "
-        "larger ones reduce-scatter then allgather through the staging area",
+        "larger ones reduce-scatter then allgather through the staging area; 'auto': 256K "
+        "when a host has 2 ranks (both move the same bytes between them), 64K otherwise",
         **_bytes(0),
     ),
     EnvVar(

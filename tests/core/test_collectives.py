@@ -119,6 +119,17 @@ def test_large_private_buffers_with_ranks_that_choose_differently():
     _check_auto(run_worker("cma_auto.py", 3, per_rank_env=per_rank, timeout=300), forced=(1,))
 
 
+@pytest.mark.parametrize("n,bound", [(2, 256 << 10), (3, 64 << 10)])
+def test_one_step_bound_follows_the_ranks_on_the_host(n, bound):
+    """DDL_SHM_SMALL_BYTES=auto (the default): two ranks on a host reduce up to 256 KiB in
+    one step (both algorithms move the same bytes between them), more ranks up to 64 KiB.
+    Sizes on both sides of either bound, every dtype, in and out of place: the same results
+    as numpy, bit for bit on every rank."""
+    res = run_worker("collectives.py", n, "16383,16385,32767,32769,65535,65537", timeout=300)
+    _check(res, 300)
+    assert {r["one_step"] for r in reports(res)} == {bound}
+
+
 def test_ranks_with_another_one_step_bound_stop_at_start():
     """DDL_SHM_SMALL_BYTES decides whether a call takes one step or reduce-scatters: a
     rank with 4K against one with 64K stepped through a 16 KiB allreduce otherwise than

@@ -8,10 +8,11 @@ import pytest
 
 from ddl import config
 from ddl.engines.shm import ShmEngine, staging_slot
+from ddl.engines.shm_attach import one_step_bytes
 from ddl.errors import DDLConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-NUMERIC = (config._int, config._number, config._size, int, float)
+NUMERIC = (config._int, config._number, config._size, config._auto_size, int, float)
 
 
 def test_every_numeric_variable_has_a_range_and_the_docs_show_it():
@@ -41,6 +42,8 @@ def test_every_numeric_variable_has_a_range_and_the_docs_show_it():
     ("DDL_SHM_HEAP_BYTES", "1e30", "out of range"),
     ("DDL_SHM_HEAP_BYTES", "1e9999", "out of range"),
     ("DDL_SHM_HEAP_BYTES", "nan", "expected bytes like"),
+    ("DDL_SHM_SMALL_BYTES", "automatic", "expected bytes like"),
+    ("DDL_SHM_SMALL_BYTES", "2P", "out of range"),
     ("DDL_SHM_SLOT_BYTES", "0", "out of range"),
     ("DDL_SHM_SLOT_BYTES", "3", "out of range"),
     ("DDL_SHM_SLOT_BYTES", "1K", "out of range"),
@@ -75,6 +78,9 @@ def test_a_bad_value_is_one_line_naming_the_variable_value_and_range(name, raw, 
     ("DDL_SHM_HEAP_BYTES", "1P", 1 << 50),
     ("DDL_SHM_HEAP_BYTES", "0.5G", 512 << 20),
     ("DDL_SHM_SMALL_BYTES", "0", 0),
+    ("DDL_SHM_SMALL_BYTES", "64K", 64 << 10),
+    ("DDL_SHM_SMALL_BYTES", " Auto ", "auto"),
+    ("DDL_SHM_SMALL_BYTES", "", "auto"),
     ("DDL_CYCLE_TIME", "0", 0.0),
 ])
 def test_values_within_the_range_are_taken(name, raw, value):
@@ -88,6 +94,8 @@ def test_the_range_reads_in_the_variable_s_units():
     assert config.REGISTRY["DDL_OPTIONS"].allowed == ""
     row = next(r for r in config.describe() if r.name == "DDL_SHM_SLOT_BYTES")
     assert (row.default, row.allowed) == ("4M", "64K..1P bytes")
+    row = next(r for r in config.describe() if r.name == "DDL_SHM_SMALL_BYTES")
+    assert (row.default, row.allowed) == ("auto", "0..1P bytes")
 
 
 def test_the_store_port_must_exist():
@@ -112,3 +120,14 @@ def test_staging_blames_the_variable_at_fault():
     with pytest.raises(DDLConfigError, match="DDL_SHM_SLOT_BYTES=3 is below"):
         ShmEngine(job_id="ranges", host_index=0, local_rank=0, local_size=2, global_rank=0,
                   slot_bytes=3, token=1)
+
+
+def test_the_one_step_bound_follows_the_ranks_on_the_host():
+    """``auto``: 256 KiB with two ranks on the host, 64 KiB with any other count; a number
+    is taken as given; never more than a staging slot holds."""
+    slot = 4 << 20
+    assert one_step_bytes("auto", 2, slot) == 256 << 10
+    assert [one_step_bytes("auto", n, slot) for n in (1, 3, 4, 8)] == [64 << 10] * 4
+    assert one_step_bytes(1 << 20, 4, slot) == 1 << 20
+    assert one_step_bytes(0, 2, slot) == 0
+    assert one_step_bytes("auto", 2, 128 << 10) == 128 << 10

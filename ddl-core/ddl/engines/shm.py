@@ -46,7 +46,14 @@ from . import cma as cma_mod
 from . import segments, shm_attach
 from .heap import Heap, PeerHeaps
 from .hugepages import HotBuffers, PageSizes
-from .shm_attach import ControlSegment, W, agree_cross_memory, remote_location, staging_slot
+from .shm_attach import (
+    ControlSegment,
+    W,
+    agree_cross_memory,
+    one_step_bytes,
+    remote_location,
+    staging_slot,
+)
 from .shm_chunks import ChunkPlan, read, stage_inputs
 from .shm_meta import (
     ALLGATHER,
@@ -118,7 +125,7 @@ class ShmEngine:
         init_timeout: float = 30.0,
         slot_bytes: int = 4 << 20,
         max_bytes: int = 32 << 20,
-        small_bytes: int = 64 << 10,
+        small_bytes: int | str = "auto",
         wait_policy: str = "auto",
         heap_bytes: int = 256 << 20,
         block_bytes: int = 256 << 10,
@@ -149,7 +156,7 @@ class ShmEngine:
         token = token if token is not None else identity.segment_token(job_id, secret)
         slot = staging_slot(slot_bytes, max_bytes, n)
         self.slot_bytes = slot
-        self.small_bytes = min(small_bytes, slot)
+        self.small_bytes = one_step_bytes(small_bytes, n, slot)
         self.block_bytes = block_bytes
         self.wait_policy = default_policy(n) if wait_policy == "auto" else wait_policy
         self._failed: BaseException | None = None

@@ -81,6 +81,25 @@ def staging_slot(slot_bytes: int, max_bytes: int, ranks: int) -> int:
     )
 
 
+# DDL_SHM_SMALL_BYTES=auto. With two ranks on a host the one step and reduce-scatter +
+# allgather move the same bytes between them (each reads the other's whole input once);
+# the one step spends a second reduction of the whole message where the other spends a
+# second synchronisation and two more copies, and wins up to 256 KiB (1.4-1.8x for numpy
+# arrays at 128-256 KiB: benchmarks/shm_one_step.py, docs/performance.md). With more
+# ranks the one step reads (ranks - 1) inputs against the other's 2 (ranks - 1) / ranks,
+# and 64 KiB stays.
+ONE_STEP_BYTES = 64 << 10
+ONE_STEP_BYTES_PAIR = 256 << 10
+
+
+def one_step_bytes(setting: int | str, ranks: int, slot: int) -> int:
+    """The largest allreduce the engine makes in one step: DDL_SHM_SMALL_BYTES (``auto``:
+    by the ranks on the host), no more than a staging ``slot`` holds."""
+    if setting == "auto":
+        setting = ONE_STEP_BYTES_PAIR if ranks == 2 else ONE_STEP_BYTES
+    return min(int(setting), slot)
+
+
 class ControlSegment:
     """This rank's mapping of the control segment ``name``: made (local rank 0) or waited
     for (the others) within ``init_timeout`` seconds, then cut into control blocks and

@@ -266,5 +266,6 @@ for dtype in ("float32", "int64", "float16"):
 ddl.barrier()
 print(json.dumps({"rank": R, "checks": checks, "digest": digest.hexdigest(),
                   "engine": ddl.engine_name(),
-                  "cma": getattr(api.session().engine, "cross_memory", None)}))
+                  "cma": getattr(api.session().engine, "cross_memory", None),
+                  "one_step": getattr(api.session().engine, "small_bytes", None)}))
 ddl.shutdown()
