@@ -84,7 +84,7 @@ def staging_slot(slot_bytes: int, max_bytes: int, ranks: int) -> int:
 # DDL_SHM_SMALL_BYTES=auto. With two ranks on a host the one step and reduce-scatter +
 # allgather move the same bytes between them (each reads the other's whole input once);
 # the one step spends a second reduction of the whole message where the other spends a
-# second synchronisation and two more copies, and wins up to 256 KiB (1.4-1.8x for numpy
+# second synchronisation and two more copies, and wins up to 256 KiB (1.45-2x for numpy
 # arrays at 128-256 KiB: benchmarks/shm_one_step.py, docs/performance.md). With more
 # ranks the one step reads (ranks - 1) inputs against the other's 2 (ranks - 1) / ranks,
 # and 64 KiB stays.
